@@ -23,6 +23,6 @@ setup(
         "matplotlib",
         "kenlm",
     ],
-    extras_require={"test": ["pytest>=8", "hypothesis>=6"]},
+    extras_require={"test": ["pytest>=8", "hypothesis>=6", "scipy"]},
     entry_points={"console_scripts": ["hf-bpd=hf_bpd.cli:main"]},
 )

@@ -5,9 +5,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from .base_models import PACKAGED_MODELS, fingerprint, load_base, load_base_model, load_tokenizer
 from .configuration import BlockwiseParallelConfig
 from .errors import BaseModelError, BPDConfigError, BPDError, CheckpointError
+from .drafting import BlockDraftCandidateGenerator, BlockDrafter, GenerationStats
 from .heads import DraftHeads
+from .lattice import Draft, Lattice
 from .lora import bpd_lora_config
 from .modeling import BlockwiseParallelForCausalLM, BlockwiseParallelOutput
+from .rescoring import HeadScoreRescorer, Rescorer
+from .tree import sparse_tree
 
 __version__ = "0.1.0"
 
@@ -15,6 +19,14 @@ AutoConfig.register(BlockwiseParallelConfig.model_type, BlockwiseParallelConfig,
 AutoModelForCausalLM.register(BlockwiseParallelConfig, BlockwiseParallelForCausalLM, exist_ok=True)
 
 __all__ = [
+    "BlockDraftCandidateGenerator",
+    "BlockDrafter",
+    "Draft",
+    "GenerationStats",
+    "HeadScoreRescorer",
+    "Lattice",
+    "Rescorer",
+    "sparse_tree",
     "BPDConfigError",
     "BPDError",
     "BaseModelError",

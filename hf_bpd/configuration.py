@@ -50,7 +50,7 @@ class BlockwiseParallelConfig(PretrainedConfig):
         base_model_name_or_path: str | None = None,
         base_model_fingerprint: str | None = None,
         text_config: dict | PretrainedConfig | None = None,
-        draft_top_k: int = 1,
+        draft_top_k: int | None = None,
         num_drafts: int = 1,
         rescorer: str | None = None,
         rescorer_alpha: float | None = None,
@@ -124,7 +124,7 @@ class BlockwiseParallelConfig(PretrainedConfig):
                         f"draft_vocab holds token ids outside the base vocabulary [0, {self.vocab_size}): "
                         f"{bad[:5]}{' ...' if len(bad) > 5 else ''}; pass ids from the base tokenizer"
                     )
-        if not isinstance(self.draft_top_k, int) or self.draft_top_k < 1:
+        if self.draft_top_k is not None and (not isinstance(self.draft_top_k, int) or self.draft_top_k < 1):
             raise BPDConfigError(f"draft_top_k must be an integer >= 1, got {self.draft_top_k!r}")
         if not isinstance(self.num_drafts, int) or self.num_drafts < 1:
             raise BPDConfigError(f"num_drafts must be an integer >= 1, got {self.num_drafts!r}")

@@ -127,6 +127,16 @@ class DraftHeads(nn.Module):
         n = len(self.heads) if num_heads is None else num_heads
         return torch.stack([self.head_logits(i, hidden) for i in range(n)], dim=1)
 
+    def step_logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Drafting-time logits `(num_heads, draft_vocab_size)` for one hidden state `(hidden_size,)`.
+
+        With a tied projection all heads share one matrix product (the projection is most of a head's cost).
+        """
+        n = len(self.heads) if num_heads is None else num_heads
+        if self.heads[0].projection is not None:
+            return torch.stack([self.head_logits(i, hidden) for i in range(n)])
+        return self.project(0, torch.stack([self.heads[i](hidden) for i in range(n)]))
+
     def to_vocab_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map indices into the draft vocabulary to base token ids (identity without a draft vocabulary)."""
         return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]

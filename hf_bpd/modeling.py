@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +19,12 @@ from transformers.utils import ModelOutput, logging
 
 from .base_models import check_causal_lm, fingerprint, load_base_model
 from .configuration import BlockwiseParallelConfig
-from .errors import BaseModelError, CheckpointError
+from .drafting import BlockDrafter, GenerationStats
+from .errors import BaseModelError, BPDConfigError, CheckpointError
 from .heads import DraftHeads
+from .rescoring import HeadScoreRescorer, resolve_rescorer
+from .tree import validate_tree_choices
+from .verification import DecodingPlan, chain_decoding, tree_decoding
 
 logger = logging.get_logger(__name__)
 
@@ -94,6 +100,9 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         self.heads = DraftHeads(config, base_model.get_output_embeddings())
         self.heads.to(device=base_model.device, dtype=base_model.dtype)
         self.generation_config = base_model.generation_config
+        self.last_generation_stats: GenerationStats | None = None
+        self._bpd_candidate_generator = None
+        self.bundled_rescorers: dict = {}
 
     def _init_weights(self, module):
         # The base arrives initialised (or pretrained) and heads initialise themselves in their constructors.
@@ -335,9 +344,99 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         inputs.setdefault("return_head_logits", False)
         return inputs
 
-    def generate(self, *args, use_heads: bool = True, **kwargs):
-        """`GenerationMixin.generate`; `use_heads=False` is plain decoding with the base model."""
-        return super().generate(*args, **kwargs)
+    def _get_candidate_generator(self, *args, **kwargs):
+        # transformers' assisted loop asks for its drafter here; during BPD generation it gets the heads' drafter.
+        if self._bpd_candidate_generator is not None:
+            return self._bpd_candidate_generator
+        return super()._get_candidate_generator(*args, **kwargs)
+
+    def decoding_plan(
+        self,
+        rescorer=None,
+        draft_top_k: int | None = None,
+        num_drafts: int | None = None,
+        num_heads_to_use: int | None = None,
+        tree=None,
+    ) -> DecodingPlan:
+        """Validate the drafting arguments of `generate()` and build the drafter (see `generate`)."""
+        config = self.config
+        n = config.num_heads if num_heads_to_use is None else num_heads_to_use
+        if not isinstance(n, int) or not 1 <= n <= config.num_heads:
+            raise BPDConfigError(f"num_heads_to_use must be an integer in [1, {config.num_heads}], got {n!r}")
+        num_drafts = config.num_drafts if num_drafts is None else num_drafts
+        if not isinstance(num_drafts, int) or num_drafts < 1:
+            raise BPDConfigError(f"num_drafts must be an integer >= 1, got {num_drafts!r}")
+        rescorer = resolve_rescorer(config.rescorer if rescorer is None else rescorer, self)
+        plain = num_drafts == 1 and isinstance(rescorer, HeadScoreRescorer) and tree is None
+        top_k = draft_top_k if draft_top_k is not None else config.draft_top_k
+        if top_k is None:
+            top_k = 1 if plain else min(16, config.draft_vocab_size)
+        if not isinstance(top_k, int) or not 1 <= top_k <= config.draft_vocab_size:
+            raise BPDConfigError(f"draft_top_k must be an integer in [1, {config.draft_vocab_size}] (the draft "
+                                 f"vocabulary), got {top_k!r}")
+        choices = None
+        if tree is not None:
+            choices = validate_tree_choices(tree, n)
+            widest = 1 + max(r for c in choices for r in c)
+            if widest > config.draft_vocab_size:
+                raise BPDConfigError(f"tree ranks reach {widest - 1}, beyond the {config.draft_vocab_size}-token draft "
+                                     "vocabulary: use smaller ranks")
+        rescorer.reset()
+        drafter = BlockDrafter(self.heads, n, top_k, num_drafts, rescorer, choices)
+        use_tree = choices is not None or num_drafts > 1
+        method = "tree" if choices is not None else ("p-best" if num_drafts > 1 else "chain")
+        return DecodingPlan(drafter=drafter, stats=GenerationStats(method=method), use_tree=use_tree)
+
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config=None,
+        *,
+        use_heads: bool = True,
+        rescorer=None,
+        draft_top_k: int | None = None,
+        num_drafts: int | None = None,
+        num_heads_to_use: int | None = None,
+        tree=None,
+        **kwargs,
+    ):
+        """The standard `generate()`, drafting with the heads; the output is the base model's own.
+
+        Every `GenerationMixin.generate` argument works (`max_new_tokens`, `do_sample`, `temperature`, `top_p`,
+        `top_k`, logits processors, stopping criteria, `streamer`, `eos_token_id`, `return_dict_in_generate`, ...).
+
+        Args:
+            use_heads: `False` decodes plainly with the base model.
+            rescorer: `None` (head scores), `"ngram"` / `"neural"` (a rescorer bundled with the checkpoint) or a
+                `hf_bpd.Rescorer`; it picks the draft(s) from each step's top-k lattice.
+            draft_top_k: lattice width k (default 1 for plain BPD, 16 when rescoring or verifying several drafts).
+            num_drafts: drafts verified together per step (p-best drafts; > 1 uses tree verification).
+            num_heads_to_use: draft with only the first heads (block size = num_heads_to_use + 1).
+            tree: Medusa-style tree of top-k rank paths, e.g. `hf_bpd.sparse_tree((4, 2, 2, 1))` or
+                `[(0,), (1,), (0, 0)]`; verified in one pass with tree attention.
+
+        After the call `model.last_generation_stats` holds a `GenerationStats` (new tokens, serial calls, block
+        efficiency, accepted lengths, drafting vs verification time).
+        """
+        start = time.perf_counter()
+        prompt = inputs if inputs is not None else kwargs.get("input_ids")
+        if not use_heads:
+            result = super().generate(inputs, generation_config, **kwargs)
+            stats = GenerationStats(method="plain")
+        else:
+            plan = self.decoding_plan(rescorer, draft_top_k, num_drafts, num_heads_to_use, tree)
+            plan.streamer = kwargs.pop("streamer", None)
+            decode = functools.partial(tree_decoding if plan.use_tree else chain_decoding, plan=plan)
+            result = super().generate(inputs, generation_config, custom_generate=decode, **kwargs)
+            stats = plan.stats
+        sequences = result if isinstance(result, torch.Tensor) else result.sequences
+        prompt_length = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 else 0
+        stats.new_tokens = sequences.shape[1] - prompt_length
+        if not use_heads:
+            stats.accepted_lengths = [0] * stats.new_tokens
+        stats.total_seconds = time.perf_counter() - start
+        self.last_generation_stats = stats
+        return result
 
 
 def _resolve_checkpoint_dir(name_or_path: str | os.PathLike, hub_kwargs: dict) -> Path:
