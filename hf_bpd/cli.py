@@ -1,4 +1,8 @@
-"""`hf-bpd`: the command line. Errors in user input print one line (`hf-bpd: error: ...`) and exit 2."""
+"""`hf-bpd`: the command line. Errors in user input print one line (`hf-bpd: error: ...`) and exit 2.
+
+Subcommands: `generate` (one prompt, with statistics), `bench` (decoding methods side by side on a prompt file,
+`hf_bpd.bench`), `analyze` (the paper's Section 6 analyses of block drafts, `hf_bpd.analysis`).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,15 @@ import time
 from pathlib import Path
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
+DEFAULT_QUESTIONS = "benchmarks/dev_prompts.jsonl"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (`hf-bpd: error: ...`, exit 2) instead of usage + error."""
+
+    def error(self, message):
+        sys.stderr.write(f"hf-bpd: error: {message} (see {self.prog} --help)\n")
+        sys.exit(2)
 
 
 def load_for_generation(name_or_path: str, dtype: str = "float32"):
@@ -74,8 +87,215 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers such as 4,2,2,1, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{what} must be comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def _positive(args, *names) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def _writable_file(path: str | None) -> None:
+    if path:
+        target = Path(path)
+        if target.is_dir():
+            raise ValueError(f"--output {path} is a directory: pass a file name such as results.json")
+        target.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _writable_dir(path: str | None) -> None:
+    if path:
+        if Path(path).exists() and not Path(path).is_dir():
+            raise ValueError(f"--plot {path} is a file: pass a directory for the PNG plots")
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def _questions(args) -> list[dict]:
+    from .bench import load_questions
+
+    questions = load_questions(args.questions)
+    return questions[: args.limit] if args.limit else questions
+
+
+def _setup(args):
+    """Threads, seed, quiet transformers; then `(model, tokenizer)`."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    return load_for_generation(args.model, args.dtype)
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+
+    _positive(args, "limit", "max_new_tokens", "threads", "num_drafts", "draft_top_k", "pld_tokens",
+               "early_exit_layer")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    options = bench.BenchOptions(tree_widths=tuple(_int_list(args.tree, "--tree")), num_drafts=args.num_drafts,
+                                 draft_top_k=args.draft_top_k, pld_tokens=args.pld_tokens,
+                                 early_exit_layer=args.early_exit_layer)
+    decoders = bench.default_decoders(options)
+    methods = bench.parse_methods(args.methods, list(decoders))
+    questions = _questions(args)
+    _writable_file(args.output)
+    _writable_dir(args.plot)
+    model, tokenizer = _setup(args)
+    report = bench.run_bench(model, tokenizer, questions, methods, decoders, max_new_tokens=args.max_new_tokens,
+                             chat=args.chat, multi_turn=args.multi_turn, warmup=args.warmup,
+                             progress=not args.no_progress, log=lambda m: print(f"hf-bpd: {m}", file=sys.stderr))
+    chat = args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
+    report = {
+        "settings": {"model": args.model, "questions": args.questions, "limit": args.limit,
+                     "max_new_tokens": args.max_new_tokens, "requested_methods": methods, "chat": chat,
+                     "multi_turn": args.multi_turn, "warmup": args.warmup, "seed": args.seed, "dtype": args.dtype,
+                     "tree": list(options.tree_widths), "num_drafts": options.num_drafts,
+                     "draft_top_k": options.draft_top_k, "pld_tokens": options.pld_tokens,
+                     "early_exit_layer": options.early_exit_layer},
+        "machine": bench.machine_info(),
+        **report,
+    }
+    print(bench.markdown_report(report), end="")
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.output}")
+    if args.plot:
+        for path in bench.plot_report(report, args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
+def cmd_analyze(args) -> int:
+    from . import analysis, bench
+    from .rescoring import RESCORER_NAMES, resolve_rescorer
+
+    _positive(args, "limit", "max_new_tokens", "threads", "rescore_top_k")
+    top_ks = _int_list(args.top_k, "--top-k")
+    questions = _questions(args)
+    _writable_file(args.output)
+    _writable_dir(args.plot)
+    model, tokenizer = _setup(args)
+    if not hasattr(model, "heads"):
+        raise ValueError(f"{args.model} is a plain base model: analyze needs a heads checkpoint directory")
+    bundled = getattr(model, "bundled_rescorers", {}) or {}
+    name = args.rescorer
+    if name is None:  # default: the first rescorer the checkpoint bundles, if any
+        name = next((n for n in RESCORER_NAMES if bundled.get(n) is not None), "none")
+        if name == "none":
+            print("hf-bpd: the checkpoint bundles no rescorer: rescored-draft analyses are left out", file=sys.stderr)
+    rescorer = None if name == "none" else resolve_rescorer(name, model)
+    if max(top_ks) > model.config.draft_vocab_size:
+        raise ValueError(f"--top-k values must be <= {model.config.draft_vocab_size} (the draft vocabulary)")
+    records = analysis.run_analysis(model, tokenizer, questions, args.max_new_tokens, top_ks, rescorer,
+                                    min(args.rescore_top_k, model.config.draft_vocab_size), chat=args.chat,
+                                    progress=not args.no_progress)
+    summary = analysis.summarize_by_category(records)
+    print(analysis.markdown_tables(summary, None if rescorer is None else name), end="")
+    if args.output:
+        chat = args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
+        report = {
+            "settings": {"model": args.model, "questions": args.questions, "limit": args.limit,
+                         "max_new_tokens": args.max_new_tokens, "top_k": top_ks,
+                         "rescorer": None if rescorer is None else name, "rescore_top_k": args.rescore_top_k,
+                         "chat": chat, "num_heads": model.config.num_heads},
+            "machine": bench.machine_info(),
+            "summary": summary,
+            "prompts": [r.as_dict() for r in records],
+        }
+        Path(args.output).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.output}")
+    if args.plot:
+        for path in analysis.plot_analysis(records, summary, args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
+def _add_common(p, model_default: str | None = "smollm2-135m-instruct", questions=True) -> None:
+    p.add_argument("--model", default=model_default, required=model_default is None,
+                   help="heads checkpoint directory, or a base model (local dir, Hub id, packaged alias)")
+    if questions:
+        p.add_argument("--questions", default=DEFAULT_QUESTIONS,
+                       help="prompt file: MT-bench JSONL (question_id, category, turns), Alpaca JSON/JSONL "
+                            f"(instruction, input) or text, one prompt per line (default {DEFAULT_QUESTIONS})")
+        p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap prompts in the tokenizer's chat template (default: when the tokenizer has one)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--output", metavar="FILE.json", help="write every figure as JSON")
+    p.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def cmd_tune_alpha(args) -> int:
+    import torch
+
+    from .tuning import ALPHA_GRID, tune_alpha
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_for_generation(args.model)
+    rescorer = getattr(model, "bundled_rescorers", {}).get(args.rescorer)
+    if rescorer is None:
+        raise ValueError(f"{args.model} bundles no {args.rescorer} rescorer")
+    from .bench import encode_messages, load_questions
+
+    questions = load_questions(args.questions)[: args.limit]
+    prompts = [encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}])["input_ids"]
+               for q in questions]
+    grid = [float(a) for a in args.grid.split(",")] if args.grid else ALPHA_GRID
+    result = tune_alpha(model, rescorer, prompts, args.max_new_tokens, grid, args.draft_top_k)
+    rows = [("α", "block efficiency")] + [(f"{a:g}", f"{be:.3f}") for a, be in result["block_efficiency"].items()]
+    report = {"rescorer": args.rescorer, "alpha": result["alpha"], "vanilla": result["vanilla"],
+              "block_efficiency": result["block_efficiency"]}
+    if args.rescorer == "ngram" and hasattr(rescorer, "entropy_adaptive"):
+        rescorer.entropy_adaptive = True
+        adaptive = tune_alpha(model, rescorer, prompts, args.max_new_tokens, grid, args.draft_top_k,
+                              references=result["references"])
+        rescorer.entropy_adaptive = False
+        rescorer.alpha = result["alpha"]
+        report["entropy_adaptive"] = {"alpha": adaptive["alpha"], "block_efficiency": adaptive["block_efficiency"]}
+        rows += [(f"{a:g} (entropy-adaptive)", f"{be:.3f}") for a, be in adaptive["block_efficiency"].items()]
+    print("| " + " | ".join(rows[0]) + " |\n| --- | --- |")
+    print("\n".join(f"| {a} | {b} |" for a, b in rows[1:]))
+    print(f"\nvanilla BPD: {result['vanilla']:.3f}; best α = {result['alpha']:g} "
+          f"({result['block_efficiency'][result['alpha']]:.3f})")
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=2))
+    if args.save:
+        config_file = Path(args.model) / "config.json"
+        config = json.loads(config_file.read_text())
+        config["rescorers"][args.rescorer]["alpha"] = result["alpha"]
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        print(f"saved α = {result['alpha']:g} to {config_file}")
+    return 0
+
+
+def cmd_train(args, rest: list[str] | None = None) -> int:
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "training" / "train_heads.py"
+    if not script.exists():
+        raise FileNotFoundError(f"{script} not found: run hf-bpd train from a clone of the hf_bpd repository")
+    return subprocess.call([sys.executable, str(script), *(rest or [])])
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-bpd", description="Blockwise parallel decoding for transformers.")
+    parser = _Parser(prog="hf-bpd", description="Blockwise parallel decoding for transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text and print generation statistics")
@@ -96,20 +316,95 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--compare", action="store_true",
                      help="also run the base's plain greedy generate() and report the speed-up")
     gen.set_defaults(func=cmd_generate)
+
+    from .bench import METHODS
+
+    bench = sub.add_parser(
+        "bench", help="decoding methods side by side on a prompt file (speed, block efficiency, exactness)",
+        description="Runs decoding methods on every prompt, alternating their order per prompt, against plain "
+                    "greedy decoding (ar) in the same run, and prints a Markdown table per method (and per "
+                    "category): tokens/s, speed-up vs ar, block efficiency (tokens per serial call), mean "
+                    "accepted draft tokens, draft time share, and whether every output is token-identical to ar. "
+                    "Methods that do not apply (no heads, no bundled rescorer, architecture refused by "
+                    "transformers) are listed as skipped. --output writes every per-prompt figure as JSON.")
+    _add_common(bench)
+    bench.add_argument("--methods", default=None,
+                       help=f"comma-separated, from: {','.join(METHODS)} (default: all; ar always runs)")
+    bench.add_argument("--multi-turn", action="store_true",
+                       help="run every MT-bench turn as a conversation (earlier answers: ar's), not only turn 1")
+    bench.add_argument("--tree", default="4,2,2,1", metavar="WIDTHS",
+                       help="sparse tree widths per head for tree / tree+ngram (cut to the model's heads)")
+    bench.add_argument("--num-drafts", type=int, default=4, help="p for the p-best methods")
+    bench.add_argument("--draft-top-k", type=int, default=None,
+                       help="lattice width k for rescoring and p-best (default: the checkpoint's, else 16)")
+    bench.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld")
+    bench.add_argument("--early-exit-layer", type=int, default=None,
+                       help="assistant_early_exit for early-exit (default: half the base's layers)")
+    bench.add_argument("--warmup", type=int, default=1, help="uncounted warm-up generations per method")
+    bench.set_defaults(func=cmd_bench)
+
+    analyze = sub.add_parser(
+        "analyze", help="the paper's Section 6 analyses of block drafts (repetition, entropy, oracle top-k)",
+        description="Decodes each prompt greedily with the base, then evaluates every decoding step of that "
+                    "reference: consecutive repetition in vanilla and rescored block drafts (Table 3), per-head "
+                    "entropy and h_max (Fig. 3), oracle top-k block efficiency as a function of k (Fig. 6), and "
+                    "wins/ties/losses of rescored vs vanilla drafts with %% repair/regress (Table 5).")
+    _add_common(analyze, model_default=None)
+    analyze.add_argument("--top-k", default="1,2,4,8,16", metavar="K1,K2,...",
+                         help="lattice widths k for the oracle curve")
+    analyze.add_argument("--rescorer", choices=["ngram", "neural", "none"], default=None,
+                         help="bundled rescorer for rescored drafts (default: the first the checkpoint bundles)")
+    analyze.add_argument("--rescore-top-k", type=int, default=16, help="lattice width the rescorer sees")
+    analyze.set_defaults(func=cmd_analyze)
+
+    from .ngram import add_parser as add_build_ngram
+
+    add_build_ngram(sub)
+
+    tune = sub.add_parser(
+        "tune-alpha", help="tune a bundled rescorer's interpolation weight α for block efficiency (App. E)",
+        description="Generates the base's greedy continuation of held-out prompts once, then computes the block "
+                    "efficiency of the rescored drafts for every α of the grid (and entropy-adaptive α for the "
+                    "n-gram rescorer); --save writes the best α into the checkpoint's config.json.")
+    _add_common(tune, model_default=None)
+    tune.add_argument("--rescorer", choices=["ngram", "neural"], required=True)
+    tune.add_argument("--grid", default=None, help="comma-separated α values (default: the paper's grid)")
+    tune.add_argument("--draft-top-k", type=int, default=16, help="lattice width k")
+    tune.add_argument("--save", action="store_true", help="store the chosen α in the checkpoint config")
+    tune.set_defaults(func=cmd_tune_alpha)
+
+    train = sub.add_parser("train", help="train heads: runs training/train_heads.py (see its --help)",
+                           add_help=False)
+    train.set_defaults(func=cmd_train)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
     from .errors import BPDError
 
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # everything after `train` belongs to training/train_heads.py
+        return cmd_train(None, argv[1:])
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (BPDError, ValueError, FileNotFoundError) as err:
+    except (BPDError, ValueError, OSError) as err:
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         print(f"hf-bpd: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("hf-bpd: error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - a bug still gets one line; HF_BPD_DEBUG=1 shows the traceback
+        if os.environ.get("HF_BPD_DEBUG"):
+            raise
+        message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        print(f"hf-bpd: error: unexpected {type(err).__name__}: {message} (HF_BPD_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

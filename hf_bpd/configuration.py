@@ -33,6 +33,11 @@ class BlockwiseParallelConfig(PretrainedConfig):
         base_model_fingerprint (`str`): `hf_bpd.fingerprint(base)` of the base the heads were trained on.
         text_config (`dict` or `PretrainedConfig`): the base model's config (used for caches and validation).
         draft_top_k, num_drafts, rescorer, rescorer_alpha: default decoding settings for `generate()`.
+        rescorers (`dict`): rescorers bundled with the checkpoint, by name (`"ngram"`, `"neural"`): each a dict with
+            the file/directory `path` (relative to the checkpoint), the tuned interpolation weight `alpha`, and
+            type-specific fields (`order`; `type`, `num_layers`).
+        base_adapter (`str`, *optional*): a peft LoRA adapter for the base (Medusa-2 training), merged into the base
+            on load.
     """
 
     model_type = "blockwise_parallel"
@@ -54,6 +59,8 @@ class BlockwiseParallelConfig(PretrainedConfig):
         num_drafts: int = 1,
         rescorer: str | None = None,
         rescorer_alpha: float | None = None,
+        rescorers: dict | None = None,
+        base_adapter: str | None = None,
         **kwargs,
     ):
         if isinstance(text_config, dict):
@@ -75,6 +82,8 @@ class BlockwiseParallelConfig(PretrainedConfig):
         self.num_drafts = num_drafts
         self.rescorer = rescorer
         self.rescorer_alpha = rescorer_alpha
+        self.rescorers = rescorers or {}
+        self.base_adapter = base_adapter
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
         self.validate_heads()
@@ -126,5 +135,11 @@ class BlockwiseParallelConfig(PretrainedConfig):
                     )
         if self.draft_top_k is not None and (not isinstance(self.draft_top_k, int) or self.draft_top_k < 1):
             raise BPDConfigError(f"draft_top_k must be an integer >= 1, got {self.draft_top_k!r}")
+        for name, spec in self.rescorers.items():
+            if name not in ("ngram", "neural") or not isinstance(spec, dict) or "path" not in spec:
+                raise BPDConfigError(f"bad bundled rescorer {name!r}: rescorers maps 'ngram'/'neural' to "
+                                     "{'path': ..., 'alpha': ...}")
+            if float(spec.get("alpha", 1.0)) < 0:
+                raise BPDConfigError(f"the {name} rescorer's alpha must be >= 0, got {spec['alpha']}")
         if not isinstance(self.num_drafts, int) or self.num_drafts < 1:
             raise BPDConfigError(f"num_drafts must be an integer >= 1, got {self.num_drafts!r}")

@@ -41,3 +41,26 @@ def bpd_lora_config(
         target_modules="^(" + "|".join(patterns) + ")$",
         modules_to_save=modules_to_save,
     )
+
+
+def save_base_adapter(peft_model, directory) -> None:
+    """Save only the base model's LoRA (Medusa-2 mode) as a standalone peft adapter for the base.
+
+    `BlockwiseParallelForCausalLM.from_pretrained` merges it into the named base (after checking the base's
+    fingerprint) when the checkpoint's config sets `base_adapter`.
+    """
+    from pathlib import Path
+
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    prefix = "base_model.model.base_lm."
+    state = {k.replace(prefix, "base_model.model."): v.detach().contiguous().cpu()
+             for k, v in get_peft_model_state_dict(peft_model).items() if k.startswith(prefix) and "lora_" in k}
+    config = peft_model.peft_config["default"]
+    targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in state})
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    LoraConfig(r=config.r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+               target_modules=targets).save_pretrained(directory)
+    save_file(state, directory / "adapter_model.safetensors")

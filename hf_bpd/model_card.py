@@ -35,7 +35,29 @@ def render_model_card(model, repo: str | None = None, extra: str = "") -> str:
     )
 
 
+def _sections(directory: Path) -> str:
+    """Training settings (`training.json`) and measured results (`results.md`) found in the checkpoint directory."""
+    import json
+
+    parts = []
+    training = directory / "training.json"
+    if training.exists():
+        info = json.loads(training.read_text())
+        accuracy = info.pop("eval_head_accuracy", [])
+        rows = "\n".join(f"| {k} | {v} |" for k, v in info.items())
+        parts.append(f"## Training\n\n| setting | value |\n| --- | --- |\n{rows}\n")
+        if accuracy:
+            acc = "\n".join(f"| {a['head']} | {a['top1']:.3f} | {a['top5']:.3f} | {a['positions']} |" for a in accuracy)
+            parts.append("Per-head accuracy on the held-out split (head h predicts token t+1+h):\n\n"
+                         f"| head | top-1 | top-5 | positions |\n| --- | --- | --- | --- |\n{acc}\n")
+    results = directory / "results.md"
+    if results.exists():
+        parts.append("## Results\n\n" + results.read_text())
+    return "\n".join(parts)
+
+
 def write_model_card(model, directory: str | Path, extra: str = "") -> Path:
-    path = Path(directory) / "README.md"
-    path.write_text(render_model_card(model, extra=extra))
+    directory = Path(directory)
+    path = directory / "README.md"
+    path.write_text(render_model_card(model, extra="\n".join(x for x in (_sections(directory), extra) if x)))
     return path

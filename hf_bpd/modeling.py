@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -103,6 +104,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         self.last_generation_stats: GenerationStats | None = None
         self._bpd_candidate_generator = None
         self.bundled_rescorers: dict = {}
+        self._bundle_sources: dict[str, Path] = {}
 
     def _init_weights(self, module):
         # The base arrives initialised (or pretrained) and heads initialise themselves in their constructors.
@@ -183,10 +185,47 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
                 raise BaseModelError(message)
             logger.warning(message)
 
+        if config.base_adapter:
+            from peft import PeftModel
+
+            base_model = PeftModel.from_pretrained(base_model, directory / config.base_adapter).merge_and_unload()
         model = cls(config, base_model)
+        if config.base_adapter:
+            model._bundle_sources["base_adapter"] = directory / config.base_adapter
         model.heads.load_state_dict(_load_heads_file(directory, model.heads), strict=True)
+        for name, spec in config.rescorers.items():
+            model.bundle_rescorer(name, directory / spec["path"], **{k: v for k, v in spec.items() if k != "path"})
         model.eval()
         return model
+
+    def bundle_rescorer(self, name: str, path: str | os.PathLike, alpha: float = 1.0, **fields) -> None:
+        """Attach a rescorer to this checkpoint: `rescorer=name` in `generate()` then uses it, and `save_pretrained`
+        copies its file(s) into `rescorers/`.
+
+        Args:
+            name: `"ngram"` (a KenLM binary over token ids; `order=`) or `"neural"` (a directory: a causal LM with the
+                base vocabulary, or with `type="base_prefix", num_layers=n` a LoRA adapter over the base's first
+                `n` layers).
+            alpha: the interpolation weight (tuned per task, see `hf_bpd.tuning`).
+        """
+        path = Path(path)
+        if not path.exists():
+            raise CheckpointError(f"bundled {name} rescorer {path} is missing: rebuild it or remove it from "
+                                  "config.json's 'rescorers'")
+        spec = {"alpha": float(alpha), **fields}
+        if name == "ngram":
+            from .ngram import NgramRescorer
+
+            rescorer = NgramRescorer(str(path), alpha=spec["alpha"], order=spec.get("order"))
+        elif name == "neural":
+            from .neural import load_bundled_neural
+
+            rescorer = load_bundled_neural(self.base_lm, path.parent, {**spec, "path": path.name})
+        else:
+            raise BPDConfigError(f"unknown rescorer {name!r}: bundle 'ngram' or 'neural'")
+        self.bundled_rescorers[name] = rescorer
+        self._bundle_sources[name] = path
+        self.config.rescorers[name] = {"path": f"rescorers/{path.name}", **spec}
 
     # ------------------------------------------------------------------ saving
     def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True, **kwargs) -> None:
@@ -203,7 +242,17 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         self.config.save_pretrained(directory)
         self.generation_config.save_pretrained(directory)
         state = {k: v.detach().contiguous().cpu() for k, v in self.heads.state_dict().items()}
+
         save_file(state, directory / HEADS_WEIGHTS_NAME, metadata={"format": "pt", "library": "hf_bpd"})
+        for name, source in self._bundle_sources.items():
+            relative = self.config.base_adapter if name == "base_adapter" else self.config.rescorers[name]["path"]
+            target = directory / relative
+            if source.resolve() != target.resolve():
+                target.parent.mkdir(exist_ok=True)
+                if source.is_dir():
+                    shutil.copytree(source, target, dirs_exist_ok=True)
+                else:
+                    shutil.copy2(source, target)
         from .model_card import write_model_card
 
         write_model_card(self, directory)
@@ -381,6 +430,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
             if widest > config.draft_vocab_size:
                 raise BPDConfigError(f"tree ranks reach {widest - 1}, beyond the {config.draft_vocab_size}-token draft "
                                      "vocabulary: use smaller ranks")
+        rescorer.check_compatible(self)
         rescorer.reset()
         drafter = BlockDrafter(self.heads, n, top_k, num_drafts, rescorer, choices)
         use_tree = choices is not None or num_drafts > 1

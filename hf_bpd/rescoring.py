@@ -19,6 +19,9 @@ class Rescorer:
     def reset(self) -> None:
         pass
 
+    def check_compatible(self, model) -> None:
+        """Raise a one-line `BPDError` if this rescorer cannot serve `model` (e.g. another vocabulary)."""
+
     def rescore(self, lattice: Lattice, context: list[int], num_drafts: int) -> list[Draft]:
         """Return up to `num_drafts` drafts through `lattice`, best first.
 

@@ -21,3 +21,151 @@ def test_generate_bad_model_is_one_line_error(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.startswith("hf-bpd: error:")]
     assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr
+
+
+# ------------------------------------------------------------------ every subcommand: help, one-line errors
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hf_bpd.cli import build_parser, main  # noqa: E402
+from tests.test_bench import QUESTIONS, SUMMARY_KEYS, make_tiny_checkpoint, write_questions  # noqa: E402
+
+
+def subcommands():
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sorted(action.choices)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    base_dir, heads_dir = make_tiny_checkpoint(root)
+    return {"base": str(base_dir), "heads": str(heads_dir), "questions": str(write_questions(root / "q.jsonl")),
+            "root": root}
+
+
+def run_main(argv):
+    """`(exit code, stdout, stderr)` of `hf-bpd argv` run in this process."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+def test_subcommands_are_listed():
+    assert {"generate", "bench", "analyze"} <= set(subcommands())
+
+
+@pytest.mark.parametrize("command", [[]] + [[name] for name in subcommands()], ids=lambda c: c[0] if c else "top")
+def test_every_subcommand_has_help(command, capsys):
+    assert run_main(command + ["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: hf-bpd" + (f" {command[0]}" if command else ""))
+
+
+def one_line_error(code, capsys):
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.startswith("hf-bpd: error:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err and "usage:" not in err
+    return lines[0]
+
+
+BAD_ARGS = [
+    ([], "required: command"),
+    (["bench", "--bogus"], "unrecognized arguments: --bogus"),
+    (["bench", "--max-new-tokens", "many"], "invalid int value"),
+    (["bench", "--questions", "{root}/missing.jsonl"], "no questions file"),
+    (["bench", "--questions", "{questions}", "--methods", "bpd,nope"], "unknown method(s) nope"),
+    (["bench", "--questions", "{questions}", "--tree", "4,x"], "--tree must be comma-separated integers"),
+    (["bench", "--questions", "{questions}", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["bench", "--questions", "{questions}", "--output", "{root}"], "is a directory"),
+    (["bench", "--questions", "{questions}", "--plot", "{questions}"], "is a file"),
+    (["bench", "--questions", "{root}/bad.jsonl"], "bad.jsonl:1 is not valid JSON"),
+    (["bench", "--model", "{root}/no-model", "--questions", "{questions}"], "could not load"),
+    (["analyze"], "required: --model"),
+    (["analyze", "--model", "{heads}", "--rescorer", "bigram"], "invalid choice: 'bigram'"),
+    (["analyze", "--model", "{heads}", "--questions", "{questions}", "--top-k", "1,0"], "--top-k must be"),
+    (["analyze", "--model", "{base}", "--questions", "{questions}"], "plain base model"),
+    (["analyze", "--model", "{heads}", "--questions", "{questions}", "--rescorer", "ngram"], "bundles no ngram"),
+    (["generate", "--max-new-tokens"], "expected one argument"),
+]
+
+
+@pytest.mark.parametrize("argv, fragment", BAD_ARGS, ids=[" ".join(a[:2]) + f"-{i}" for i, (a, _) in
+                                                           enumerate(BAD_ARGS)])
+def test_bad_paths_and_options_are_one_line_errors(argv, fragment, tiny, capsys):
+    (tiny["root"] / "bad.jsonl").write_text("{oops\n")
+    argv = [a.format(**tiny) for a in argv]
+    line = one_line_error(run_main(argv + (["--threads", "1"] if argv[:1] in (["bench"], ["analyze"]) and
+                                           "--bogus" not in argv and "many" not in argv else [])), capsys)
+    assert fragment in line
+
+
+def test_bad_questions_file_in_a_real_process(tmp_path):
+    result = run_cli("bench", "--questions", str(tmp_path / "missing.jsonl"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"hf-bpd: error: no questions file at {tmp_path / 'missing.jsonl'}: pass a .jsonl/.json/.txt prompt file"]
+
+
+# ------------------------------------------------------------------ bench and analyze end to end
+def test_bench_command_writes_table_json_and_plots(tiny, tmp_path, capsys):
+    out = tmp_path / "out" / "bench.json"
+    code = run_main(["bench", "--model", tiny["heads"], "--questions", tiny["questions"], "--limit", "2",
+                     "--max-new-tokens", "8", "--methods", "pld,bpd,tree,bpd+ngram", "--tree", "2,2",
+                     "--threads", "1", "--output", str(out), "--plot", str(tmp_path / "plots"), "--no-progress"])
+    stdout = capsys.readouterr().out
+    assert code == 0
+    assert "| method | tok/s | speed-up vs ar |" in stdout and "| tree |" in stdout
+    report = json.loads(out.read_text())
+    assert {"settings", "machine", "methods", "skipped", "summary", "by_category", "samples"} <= set(report)
+    assert {"cpu", "threads", "torch", "transformers"} <= set(report["machine"]) and report["machine"]["threads"] == 1
+    assert report["settings"]["chat"] is True and report["settings"]["tree"] == [2, 2]
+    assert report["methods"] == ["ar", "pld", "bpd", "tree"] and list(report["skipped"]) == ["bpd+ngram"]
+    for row in report["summary"]:
+        assert set(row) == SUMMARY_KEYS and row["exact"] is True
+    assert len(report["samples"]) == 2 * 4
+    assert (tmp_path / "plots" / "speedup.png").exists() and (tmp_path / "plots" / "block_efficiency.png").exists()
+
+
+def test_bench_on_a_plain_base_model(tiny, capsys):
+    code = run_main(["bench", "--model", tiny["base"], "--questions", tiny["questions"], "--limit", "1",
+                     "--max-new-tokens", "4", "--methods", "bpd,pld", "--threads", "1", "--no-progress",
+                     "--warmup", "0", "--no-chat"])
+    stdout = capsys.readouterr().out
+    assert code == 0
+    assert "| pld |" in stdout and "`bpd`: the model has no drafting heads" in stdout
+
+
+def test_analyze_command_writes_tables_json_and_plots(tiny, tmp_path, capsys):
+    out = tmp_path / "analysis.json"
+    code = run_main(["analyze", "--model", tiny["heads"], "--questions", tiny["questions"], "--max-new-tokens",
+                     "10", "--top-k", "1,4", "--threads", "1", "--output", str(out), "--plot",
+                     str(tmp_path / "plots"), "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "Table 3" in captured.out and "oracle k=4" in captured.out and "h_max" in captured.out
+    assert "bundles no rescorer" in captured.err
+    report = json.loads(out.read_text())
+    assert set(report["summary"]) == {"all", "writing", "math"}
+    summary = report["summary"]["all"]
+    assert summary["prompts"] == len(QUESTIONS)
+    assert set(summary["oracle_block_efficiency"]) == {"1", "4"}
+    assert summary["oracle_block_efficiency"]["1"] == pytest.approx(summary["vanilla"]["block_efficiency"])
+    assert len(summary["entropy"]["mean"]) == 4 and 1 <= summary["entropy"]["h_max"] <= 4
+    assert len(report["prompts"]) == 3 and report["settings"]["rescorer"] is None
+    assert (tmp_path / "plots" / "entropy.png").exists() and (tmp_path / "plots" / "oracle_topk.png").exists()

@@ -1,0 +1,494 @@
+"""`hf-bpd bench`: decoding methods side by side on a prompt file, against plain greedy decoding in the same run.
+
+Each method is a *decoder*: `decoder(model, inputs, max_new_tokens) -> (sequences, stats)`, where `inputs` holds
+`input_ids` `(1, prompt_len)` and `attention_mask`, `sequences` is `(1, prompt_len + new)` and `stats` a
+`GenerationStats` (or None when the decoder cannot say). `default_decoders(options)` builds the registry of the
+methods below; `run_bench(..., decoders=...)` accepts any registry, so tests (or users) can add their own.
+
+| method | what runs |
+| --- | --- |
+| `ar` | the base's plain greedy `generate()`: the reference every other method must reproduce |
+| `pld` | transformers' prompt lookup decoding (`prompt_lookup_num_tokens`) on the base |
+| `early-exit` | transformers' self-speculation (`assistant_early_exit`) on the base |
+| `bpd` | blockwise parallel decoding, argmax (chain) drafts |
+| `bpd+ngram`, `bpd+neural` | one draft from the lattice rescored by the checkpoint's bundled rescorer |
+| `pbest` | `--num-drafts` best lattice paths under the heads alone ("p-best 0-gram"), verified as a tree |
+| `pbest-ngram` | `--num-drafts` best n-gram-rescored paths, verified as a tree |
+| `tree` | a Medusa-style sparse tree of top-k ranks (`--tree` widths) |
+| `tree+ngram` | n-gram-rescored p-best drafts as a tree, with as many drafts as the `--tree` has leaves |
+
+Serial calls: `GenerationStats` counts them for BPD; for `ar` they are the new tokens; for `pld`/`early-exit` they are
+the verification passes of transformers' assisted loop (one base forward each), recorded with the draft time by
+instrumenting the candidate generator transformers builds (its class and behaviour are unchanged).
+
+The report (`run_bench`; `hf-bpd bench --output` adds `settings` and `machine`: cpu, cpu_count, threads, torch,
+transformers, ...):
+
+* `methods`: the methods that ran, `ar` first; `skipped`: `{method: reason}`.
+* `summary`: one row per method over every prompt, `by_category`: one per (category, method). Row keys: `method`,
+  `category`, `samples`, `new_tokens`, `seconds`, `tokens_per_s` (new tokens / seconds), `speedup_vs_ar` (tokens/s
+  over ar's on the same prompts), `block_efficiency` (new tokens / serial calls), `serial_calls`, `mean_accepted`
+  (accepted draft tokens per serial call after the first), `draft_share` (drafting time / total time), `exact`
+  (every output token-identical to ar's) and `exact_rate`.
+* `samples`: one record per (prompt, turn, method): `id`, `category`, `turn`, `method`, `prompt_tokens`,
+  `new_tokens`, `seconds`, `tokens_per_s`, `speedup_vs_ar` (ar's seconds / this method's), `serial_calls`,
+  `block_efficiency`, `mean_accepted`, `accepted_lengths` and `draft_tokens` (per serial call), `draft_seconds`,
+  `output_ids`, `exact`. Figures that a decoder does not report are null.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .drafting import GenerationStats
+from .errors import BPDConfigError
+
+Decoder = Callable[..., tuple[torch.Tensor, GenerationStats | None]]
+
+METHODS = ("ar", "pld", "early-exit", "bpd", "bpd+ngram", "bpd+neural", "pbest", "pbest-ngram", "tree", "tree+ngram")
+REFERENCE = "ar"
+
+
+class MethodSkipped(Exception):
+    """A method that does not apply to this model (no heads, no bundled rescorer, unsupported architecture)."""
+
+
+@dataclass
+class BenchOptions:
+    """Settings of the default decoders."""
+
+    tree_widths: tuple[int, ...] = (4, 2, 2, 1)
+    num_drafts: int = 4
+    draft_top_k: int | None = None
+    pld_tokens: int = 10
+    early_exit_layer: int | None = None  # default: half the base's layers
+
+
+# ------------------------------------------------------------------ prompts
+def load_questions(path: str | Path) -> list[dict]:
+    """`[{"id", "category", "turns"}]` from an MT-bench JSONL (`question_id`, `category`, `turns`), an Alpaca-style
+    JSON/JSONL (`instruction`, `input`; any layout `hf_bpd.data.record_prompt` reads) or a text file (one prompt per
+    line). Identical prompts are kept once."""
+    from .data import prompt_id, record_prompt
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no questions file at {path}: pass a .jsonl/.json/.txt prompt file")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        records = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{number} is not valid JSON ({err.msg})") from None
+    elif path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err.msg} at line {err.lineno})") from None
+        records = data if isinstance(data, list) else data.get("data") or data.get("questions") or [data]
+    else:
+        records = [{"prompt": line} for line in text.splitlines() if line.strip()]
+    out, seen = [], set()
+    for record in records:
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: expected JSON objects (MT-bench or Alpaca records), got {type(record).__name__}")
+        turns = record.get("turns")
+        if isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns):
+            turns = [t.strip() for t in turns]
+        else:
+            prompt = record_prompt(record)
+            turns = [prompt] if prompt else None
+        if not turns or not turns[0] or tuple(turns) in seen:
+            continue
+        seen.add(tuple(turns))
+        qid = record.get("question_id") or record.get("id") or prompt_id(path.stem, turns[0])
+        out.append({"id": str(qid), "category": str(record.get("category") or path.stem), "turns": turns})
+    if not out:
+        raise ValueError(f"no prompts in {path}: expected MT-bench (turns), Alpaca (instruction/input) records or "
+                         "one prompt per line")
+    return out
+
+
+def encode_messages(tokenizer, messages: list[dict], chat: bool | None = None) -> dict:
+    """Token ids (`input_ids`, `attention_mask`, `(1, len)`) for a conversation ending with a user turn.
+
+    `chat=None` uses the tokenizer's chat template when it has one; without it the turns are joined by blank lines.
+    """
+    if chat is None:
+        chat = bool(getattr(tokenizer, "chat_template", None))
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this tokenizer has no chat template: use --no-chat")
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True)
+    else:
+        encoded = tokenizer("\n\n".join(m["content"] for m in messages), return_tensors="pt")
+    return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+
+
+# ------------------------------------------------------------------ decoders
+def base_of(model):
+    """The plain causal LM: `model.base_lm` for a BPD model, else the model itself."""
+    return getattr(model, "base_lm", model)
+
+
+def decode_ar(model, inputs: dict, max_new_tokens: int):
+    """Plain greedy `generate()` of the base: one serial call per new token."""
+    out = base_of(model).generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    new = out.shape[1] - inputs["input_ids"].shape[1]
+    return out, GenerationStats(method="ar", new_tokens=new, accepted_lengths=[0] * new)
+
+
+def _instrument(generator, stats: GenerationStats):
+    """Record draft time and accepted lengths of a transformers candidate generator (instance attributes only)."""
+    get_candidates, update = generator.get_candidates, generator.update_candidate_strategy
+
+    def timed_get_candidates(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            result = get_candidates(*args, **kwargs)
+        finally:
+            stats.draft_seconds += time.perf_counter() - start
+        stats.draft_tokens.append(result[0].shape[1] - args[0].shape[1] if args else 0)
+        return result
+
+    def counted_update(input_ids, scores, num_matches):
+        stats.accepted_lengths.append(int(num_matches))  # one verification pass (base forward) per call
+        return update(input_ids, scores, num_matches)
+
+    generator.get_candidates = timed_get_candidates
+    generator.update_candidate_strategy = counted_update
+    return generator
+
+
+def decode_assisted(model, inputs: dict, max_new_tokens: int, method: str = "assisted", **generate_kwargs):
+    """The base's `generate()` with one of transformers' own drafting methods (`prompt_lookup_num_tokens=...`,
+    `assistant_early_exit=...`); statistics come from the candidate generator transformers builds."""
+    base = base_of(model)
+    stats = GenerationStats(method=method)
+    original = base._get_candidate_generator
+
+    def get_candidate_generator(*args, **kwargs):
+        return _instrument(original(*args, **kwargs), stats)
+
+    base._get_candidate_generator = get_candidate_generator
+    start = time.perf_counter()
+    try:
+        out = base.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **generate_kwargs)
+    finally:
+        del base._get_candidate_generator
+    stats.total_seconds = time.perf_counter() - start
+    stats.new_tokens = out.shape[1] - inputs["input_ids"].shape[1]
+    return out, stats
+
+
+def decode_early_exit(model, inputs: dict, max_new_tokens: int, layer: int | None = None):
+    base = base_of(model)
+    layers = getattr(base.config.get_text_config(), "num_hidden_layers", None)
+    if not layers or layers < 2:
+        raise MethodSkipped(f"early exit needs a base with at least 2 layers, this one has {layers}")
+    layer = layer or max(layers // 2, 1)
+    if not 1 <= layer < layers:
+        raise BPDConfigError(f"--early-exit-layer must be in [1, {layers - 1}], got {layer}")
+    return decode_assisted(model, inputs, max_new_tokens, method="early-exit", assistant_early_exit=layer)
+
+
+def decode_bpd(model, inputs: dict, max_new_tokens: int, tree_widths: Sequence[int] | None = None,
+               tree_leaves_as_drafts: bool = False, **options):
+    """`model.generate()` with drafting heads; `tree_widths` are cut to the model's heads."""
+    if not hasattr(model, "heads") or not hasattr(model, "decoding_plan"):
+        raise MethodSkipped("the model has no drafting heads (a plain base model): pass a heads checkpoint")
+    from .tree import sparse_tree
+
+    if tree_widths is not None:
+        widths = tuple(tree_widths)[: model.config.num_heads]
+        if tree_leaves_as_drafts:
+            options["num_drafts"] = math.prod(widths)
+        else:
+            options["tree"] = sparse_tree(widths)
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **options)
+    return out, model.last_generation_stats
+
+
+def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
+    """The registry of `METHODS`: name -> `decoder(model, inputs, max_new_tokens)`."""
+    o = options or BenchOptions()
+    k = {} if o.draft_top_k is None else {"draft_top_k": o.draft_top_k}
+    p = functools.partial
+    return {
+        "ar": decode_ar,
+        "pld": p(decode_assisted, method="pld", prompt_lookup_num_tokens=o.pld_tokens),
+        "early-exit": p(decode_early_exit, layer=o.early_exit_layer),
+        "bpd": decode_bpd,
+        "bpd+ngram": p(decode_bpd, rescorer="ngram", **k),
+        "bpd+neural": p(decode_bpd, rescorer="neural", **k),
+        "pbest": p(decode_bpd, num_drafts=o.num_drafts, **k),
+        "pbest-ngram": p(decode_bpd, rescorer="ngram", num_drafts=o.num_drafts, **k),
+        "tree": p(decode_bpd, tree_widths=o.tree_widths),
+        "tree+ngram": p(decode_bpd, rescorer="ngram", tree_widths=o.tree_widths, tree_leaves_as_drafts=True, **k),
+    }
+
+
+def parse_methods(text: str | Sequence[str] | None, known: Sequence[str]) -> list[str]:
+    """Method names from `"a,b,c"` (None: every known method); `ar` always runs first (it is the reference)."""
+    names = list(known) if text is None else [m.strip() for m in
+                                              (text.split(",") if isinstance(text, str) else text) if m.strip()]
+    unknown = [m for m in names if m not in known]
+    if unknown:
+        raise BPDConfigError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(known)}")
+    return [REFERENCE] + [m for m in dict.fromkeys(names) if m != REFERENCE]
+
+
+# ------------------------------------------------------------------ running
+def machine_info() -> dict:
+    import transformers
+
+    from . import __version__
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_bpd": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average": list(load) if load else None,
+    }
+
+
+def _sample_record(question: dict, turn: int, method: str, prompt_length: int, new_ids: list[int], seconds: float,
+                   stats: GenerationStats | None) -> dict:
+    record = {
+        "id": question["id"], "category": question["category"], "turn": turn, "method": method,
+        "prompt_tokens": prompt_length, "new_tokens": len(new_ids), "seconds": seconds,
+        "tokens_per_s": len(new_ids) / seconds if seconds > 0 else 0.0,
+        "serial_calls": None, "block_efficiency": None, "mean_accepted": None, "accepted_lengths": None,
+        "draft_tokens": None, "draft_seconds": None, "output_ids": new_ids,
+    }
+    if stats is not None:
+        record.update(serial_calls=stats.serial_calls, block_efficiency=stats.block_efficiency,
+                      mean_accepted=stats.mean_accepted, accepted_lengths=list(stats.accepted_lengths),
+                      draft_tokens=list(stats.draft_tokens) or [0] * stats.serial_calls,
+                      draft_seconds=stats.draft_seconds)
+    return record
+
+
+def summarize_samples(samples: list[dict], methods: Sequence[str], category: str = "all") -> list[dict]:
+    """One row per method over `samples` (already filtered to one category, or all)."""
+    rows = []
+    ref = [s for s in samples if s["method"] == REFERENCE]
+    ref_tps = sum(s["new_tokens"] for s in ref) / max(sum(s["seconds"] for s in ref), 1e-12) if ref else None
+    for method in methods:
+        mine = [s for s in samples if s["method"] == method]
+        if not mine:
+            continue
+        new = sum(s["new_tokens"] for s in mine)
+        seconds = sum(s["seconds"] for s in mine)
+        tps = new / seconds if seconds > 0 else 0.0
+        with_stats = [s for s in mine if s["serial_calls"] is not None]
+        calls = sum(s["serial_calls"] for s in with_stats)
+        steps = [a for s in with_stats for a in s["accepted_lengths"][1:]]
+        drafted = sum(s["draft_seconds"] for s in with_stats)
+        rows.append({
+            "method": method,
+            "category": category,
+            "samples": len(mine),
+            "new_tokens": new,
+            "seconds": seconds,
+            "tokens_per_s": tps,
+            "speedup_vs_ar": tps / ref_tps if ref_tps else None,
+            "block_efficiency": sum(s["new_tokens"] for s in with_stats) / calls if calls else None,
+            "serial_calls": calls if with_stats else None,
+            "mean_accepted": sum(steps) / len(steps) if steps else (0.0 if with_stats else None),
+            "draft_share": drafted / seconds if with_stats and seconds > 0 else None,
+            "exact": all(s["exact"] for s in mine),
+            "exact_rate": sum(s["exact"] for s in mine) / len(mine),
+        })
+    return rows
+
+
+def run_bench(model, tokenizer, questions: Sequence[dict], methods: Sequence[str] | None = None,
+              decoders: dict[str, Decoder] | None = None, max_new_tokens: int = 128, chat: bool | None = None,
+              multi_turn: bool = False, warmup: int = 1, progress: bool = True, log=None) -> dict:
+    """Run `methods` (default: every decoder) on every question; returns the report (see `hf-bpd bench --help`).
+
+    `decoders` is the registry (default `default_decoders()`); it must hold `ar`, the reference. Methods run in a
+    different order for each prompt (rotated), so slow drift of the machine's speed spreads over all of them;
+    `warmup` generations per method (up to 32 new tokens, on the first prompt) run first and are not counted. A
+    method that raises `MethodSkipped` or `BPDConfigError` (or any error) is reported under `skipped` with the reason.
+    """
+    from tqdm.auto import tqdm
+
+    decoders = dict(default_decoders() if decoders is None else decoders)
+    if REFERENCE not in decoders:
+        raise BPDConfigError(f"the decoder registry needs {REFERENCE!r} (plain greedy), the reference")
+    methods = parse_methods(methods, list(decoders))
+    if not questions:
+        raise ValueError("no prompts to benchmark")
+    log = log or (lambda message: None)
+    skipped: dict[str, str] = {}
+
+    def call(name, inputs, budget):
+        start = time.perf_counter()
+        with torch.no_grad():
+            sequences, stats = decoders[name](model, inputs, budget)
+        seconds = time.perf_counter() - start
+        if not isinstance(sequences, torch.Tensor):
+            sequences = sequences.sequences
+        return sequences, stats, seconds
+
+    def skip(name, err):
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if not isinstance(err, (MethodSkipped, BPDConfigError)):
+            reason = f"failed: {type(err).__name__}: {reason}"
+        skipped[name] = reason
+        log(f"skipping {name}: {reason}")
+
+    first = encode_messages(tokenizer, [{"role": "user", "content": questions[0]["turns"][0]}], chat)
+    active = []
+    for name in methods:
+        try:
+            for _ in range(max(warmup, 0)):
+                call(name, first, min(max_new_tokens, 32))
+            active.append(name)
+        except Exception as err:  # noqa: BLE001 - an inapplicable method is reported, not fatal
+            if name == REFERENCE:
+                raise
+            skip(name, err)
+
+    total = sum(len(q["turns"]) if multi_turn else 1 for q in questions) * len(active)
+    bar = tqdm(total=total, desc="bench", unit="gen", disable=not progress)
+    samples: list[dict] = []
+    position = 0
+    for question in questions:
+        messages: list[dict] = []
+        for turn, content in enumerate(question["turns"] if multi_turn else question["turns"][:1], 1):
+            messages.append({"role": "user", "content": content})
+            inputs = encode_messages(tokenizer, messages, chat)
+            prompt_length = inputs["input_ids"].shape[1]
+            order = active[position % len(active):] + active[: position % len(active)]
+            position += 1
+            results = {}
+            for name in order:
+                if name in skipped:
+                    continue
+                try:
+                    sequences, stats, seconds = call(name, inputs, max_new_tokens)
+                except Exception as err:  # noqa: BLE001
+                    if name == REFERENCE:
+                        raise
+                    skip(name, err)
+                    continue
+                finally:
+                    bar.update(1)
+                new_ids = sequences[0, prompt_length:].tolist()
+                results[name] = _sample_record(question, turn, name, prompt_length, new_ids, seconds, stats)
+            reference = results[REFERENCE]
+            for record in results.values():
+                record["exact"] = record["output_ids"] == reference["output_ids"]
+                record["speedup_vs_ar"] = reference["seconds"] / record["seconds"] if record["seconds"] > 0 else None
+                samples.append(record)
+            # later turns continue the reference's conversation, so every method sees the same prompt
+            messages.append({"role": "assistant",
+                             "content": tokenizer.decode(reference["output_ids"], skip_special_tokens=True)})
+    bar.close()
+    samples = [s for s in samples if s["method"] not in skipped]
+    ran = [m for m in methods if m not in skipped]
+    categories = sorted({s["category"] for s in samples})
+    by_category = [row for c in categories
+                   for row in summarize_samples([s for s in samples if s["category"] == c], ran, c)]
+    return {
+        "methods": ran,
+        "skipped": skipped,
+        "summary": summarize_samples(samples, ran),
+        "by_category": by_category,
+        "samples": samples,
+    }
+
+
+# ------------------------------------------------------------------ rendering
+def _fmt(value, spec: str = ".2f") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "**NO**"
+    return format(value, spec) if isinstance(value, float) else str(value)
+
+
+def markdown_report(report: dict) -> str:
+    header = ("| method | tok/s | speed-up vs ar | block efficiency | mean accepted | draft time | exact |\n"
+              "| --- | ---: | ---: | ---: | ---: | ---: | :---: |")
+
+    def row(r, label):
+        share = None if r["draft_share"] is None else 100 * r["draft_share"]
+        return (f"| {label} | {_fmt(r['tokens_per_s'], '.1f')} | {_fmt(r['speedup_vs_ar'])}x | "
+                f"{_fmt(r['block_efficiency'])} | {_fmt(r['mean_accepted'])} | "
+                f"{_fmt(share, '.1f')}{'' if share is None else '%'} | {_fmt(r['exact'])} |")
+
+    lines = [header] + [row(r, r["method"]) for r in report["summary"]]
+    categories = sorted({r["category"] for r in report["by_category"]})
+    if len(categories) > 1:
+        lines += ["", "Per category:", "", header.replace("| method |", "| category / method |")]
+        lines += [row(r, f"{r['category']} / {r['method']}") for r in report["by_category"]]
+    if report["skipped"]:
+        lines += ["", "Skipped:"] + [f"- `{m}`: {reason}" for m, reason in report["skipped"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(report: dict, directory) -> list[str]:
+    """`speedup.png` and `block_efficiency.png`: one bar per method, grouped by category (plus all)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    categories = sorted({r["category"] for r in report["by_category"]})
+    rows = report["summary"] + (report["by_category"] if len(categories) > 1 else [])
+    groups = list(dict.fromkeys(r["category"] for r in rows))
+    methods = report["methods"]
+    written = []
+    for key, label in (("speedup_vs_ar", "speed-up vs plain greedy"), ("block_efficiency", "block efficiency")):
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups) * max(len(methods), 1) / 3), 4))
+        width = 0.8 / max(len(methods), 1)
+        for i, method in enumerate(methods):
+            values = [next((r[key] for r in rows if r["category"] == g and r["method"] == method), None) or 0.0
+                      for g in groups]
+            ax.bar([x + i * width for x in range(len(groups))], values, width, label=method)
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(groups))], groups)
+        ax.set_ylabel(label)
+        ax.legend(fontsize="small", ncols=2)
+        fig.tight_layout()
+        path = directory / f"{key.replace('_vs_ar', '')}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(str(path))
+    return written
+

@@ -1,0 +1,105 @@
+"""Instruction data: prompts and ShareGPT/Vicuna or Alpaca conversations, read through `datasets`.
+
+* `load_prompts(path)`: prompts from Alpaca-style (`instruction`, `input`), GSM8K (`question`), MT-bench
+  (`turns`), ShareGPT (`conversations`, first human turn) or plain-text files.
+* `load_conversations(path)`: ShareGPT (`{"conversations": [{"from": "human"|"gpt", "value": ...}]}`) or Alpaca
+  (`instruction`/`input`/`output`) records as lists of `{"role", "content"}` messages.
+* `tokenize_conversation(tokenizer, messages)`: chat-template token ids and labels that train on assistant tokens only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+from datasets import load_dataset
+
+ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+        "system": "system", "bard": "assistant", "bing": "assistant"}
+
+
+def _records(path: str | Path, split: str = "train"):
+    path = str(path)
+    if path.endswith((".json", ".jsonl")):
+        return load_dataset("json", data_files=path, split=split)
+    return load_dataset("text", data_files=path, split=split)
+
+
+def record_prompt(record: dict) -> str | None:
+    """The user prompt of one record in any supported layout (None when it has none)."""
+    if record.get("instruction"):
+        extra = record.get("input") or ""
+        if not extra and record.get("instances"):
+            extra = record["instances"][0].get("input") or ""
+        return record["instruction"].strip() + ("\n\n" + extra.strip() if extra.strip() else "")
+    if record.get("question"):
+        return record["question"].strip()
+    if record.get("turns"):
+        return record["turns"][0].strip()
+    if record.get("conversations"):
+        first = next((t for t in record["conversations"] if ROLE.get(t.get("from")) == "user"), None)
+        return first["value"].strip() if first else None
+    if record.get("prompt"):
+        return record["prompt"].strip()
+    if record.get("text"):
+        return record["text"].strip()
+    return None
+
+
+def prompt_id(source: str, prompt: str) -> str:
+    return f"{source}-{hashlib.sha1(prompt.encode()).hexdigest()[:12]}"
+
+
+def load_prompts(path: str | Path, source: str | None = None) -> list[dict]:
+    """`[{"id", "source", "prompt", "category"}]` from one file; ids are stable hashes of the prompt text."""
+    source = source or Path(path).stem
+    out, seen = [], set()
+    for record in _records(path):
+        prompt = record_prompt(record)
+        if not prompt or prompt in seen:
+            continue
+        seen.add(prompt)
+        out.append({"id": record.get("question_id") or prompt_id(source, prompt), "source": source,
+                    "prompt": prompt, "category": record.get("category") or source})
+    return out
+
+
+def conversation_messages(record: dict) -> list[dict]:
+    """A ShareGPT or Alpaca record as chat messages."""
+    if record.get("conversations"):
+        return [{"role": ROLE.get(t["from"], t["from"]), "content": t["value"]} for t in record["conversations"]]
+    if record.get("instruction") and (record.get("output") or record.get("response")):
+        answer = record.get("output") or record.get("response")
+        return [{"role": "user", "content": record_prompt(record)}, {"role": "assistant", "content": answer}]
+    if record.get("question") and record.get("answer"):  # GSM8K: drop the <<calculator>> annotations
+        answer = re.sub(r"<<[^>]*>>", "", record["answer"]).replace("####", "The answer is")
+        return [{"role": "user", "content": record["question"]}, {"role": "assistant", "content": answer}]
+    raise ValueError(f"record has neither 'conversations' nor 'instruction'/'output': {sorted(record)[:6]}")
+
+
+def load_conversations(path: str | Path) -> list[list[dict]]:
+    return [conversation_messages(r) for r in _records(path)]
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_length: int = 1024) -> dict:
+    """`{"input_ids", "labels"}` for one conversation; labels are -100 except on assistant turns' tokens.
+
+    Each assistant turn's tokens are found by rendering the conversation up to that turn with and without it: the
+    chat template decides what the assistant says (including its end-of-turn token).
+    """
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    if not isinstance(ids, list):
+        ids = ids["input_ids"]
+    labels = [-100] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=True,
+                                               return_dict=False)
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=True, return_dict=False)
+        before = before if isinstance(before, list) else before["input_ids"]
+        upto = upto if isinstance(upto, list) else upto["input_ids"]
+        for j in range(len(before), min(len(upto), len(ids))):
+            labels[j] = ids[j]
+    return {"input_ids": ids[:max_length], "labels": labels[:max_length]}

@@ -1,0 +1,152 @@
+"""Local neural rescoring (paper Alg. 2): a small causal LM that shares the base vocabulary rescores each head's top-k
+greedily, left to right: row `i` picks `argmax_{s in S_i} head_logprob[i, s] + alpha * r_i[s]`, where `r_i` are the
+rescorer's logits given the context and the draft tokens already chosen. Interpolating log-probabilities or logits is
+the same choice (they differ by a constant per row). The base's own next token (the context's last token) is never
+rescored: it is not in the lattice.
+
+The rescorer keeps a KV cache across steps: each call crops it to the longest common prefix with the new context and
+feeds only the new tokens, then one token per draft position. Only the k lattice rows of its output embedding are
+multiplied (not the whole vocabulary).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+
+from .errors import BPDConfigError
+from .lattice import Draft, Lattice
+from .rescoring import Rescorer
+
+
+class NeuralRescorer(Rescorer):
+    """Greedy local rescoring with a small causal LM.
+
+    Args:
+        model_or_path: a causal LM (`PreTrainedModel`) or a directory/Hub id for `AutoModelForCausalLM`.
+        alpha: interpolation weight α >= 0 (α = 0 reproduces the heads' own top-1 draft).
+    """
+
+    def __init__(self, model_or_path: PreTrainedModel | str, alpha: float = 1.0):
+        if alpha is None or alpha < 0:
+            raise BPDConfigError(f"alpha must be >= 0, got {alpha}")
+        if isinstance(model_or_path, PreTrainedModel):
+            self.model = model_or_path
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=torch.float32)
+        self.model.eval()
+        self.alpha = float(alpha)
+        self._hidden = {}
+        self.model.get_output_embeddings().register_forward_pre_hook(self._keep_hidden)
+        softcap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        self.softcap = float(softcap) if softcap else None
+        self.reset()
+
+    def _keep_hidden(self, _module, args):
+        self._hidden["last"] = args[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    def check_compatible(self, model) -> None:
+        base_vocab = model.config.get_text_config().vocab_size
+        if self.vocab_size != base_vocab:
+            raise BPDConfigError(f"the neural rescorer's vocabulary ({self.vocab_size} tokens) differs from the base "
+                                 f"model's ({base_vocab}): use a rescorer trained with the base tokenizer")
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config.get_text_config(decoder=True))
+        self.cache.activate_past_recording()  # sliding-window layers must be able to roll back
+        self.cached: list[int] = []
+
+    @torch.no_grad()
+    def _advance(self, tokens: list[int]) -> torch.Tensor:
+        """Feed `tokens` after the cached ones; return the hidden state at the last position `(hidden,)`."""
+        ids = torch.tensor([tokens], device=self.model.device)
+        self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.cached.extend(tokens)
+        return self._hidden["last"][0, -1]
+
+    def _sync(self, context: list[int]) -> torch.Tensor:
+        """Make the cache hold exactly `context`, reusing the longest common prefix; return the hidden state after
+        its last token (at least one token is always fed, to get that state)."""
+        keep = 0
+        limit = min(len(self.cached), len(context) - 1)
+        while keep < limit and self.cached[keep] == context[keep]:
+            keep += 1
+        if keep == 0:
+            self.reset()
+        else:
+            self.cache.crop(-(len(self.cached) - keep))
+            self.cached = self.cached[:keep]
+        return self._advance(context[keep:])
+
+    def _scores(self, hidden: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """Rescorer logits of `candidates` `(k,)` given `hidden`; only those k output rows are used."""
+        head = self.model.get_output_embeddings()
+        weight = head.weight.index_select(0, candidates.to(head.weight.device))
+        logits = weight @ hidden.to(weight.dtype)
+        if getattr(head, "bias", None) is not None:
+            logits = logits + head.bias[candidates]
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float().cpu()
+
+    @torch.no_grad()
+    def rescore(self, lattice: Lattice, context: list[int], num_drafts: int) -> list[Draft]:
+        if num_drafts < 1:
+            raise BPDConfigError(f"num_drafts must be >= 1, got {num_drafts}")
+        hidden = self._sync(list(context))
+        chosen, score = [], 0.0
+        for i in range(lattice.num_heads):
+            candidates = lattice.tokens[i]
+            combined = lattice.logprobs[i] + self.alpha * self._scores(hidden, candidates)
+            best = int(combined.argmax())
+            chosen.append(int(candidates[best]))
+            score += float(combined[best])
+            if i + 1 < lattice.num_heads:
+                hidden = self._advance([chosen[-1]])
+        # One greedy draft (Alg. 2); further drafts, if asked for, are the heads' own next-best paths.
+        drafts = [Draft(tuple(chosen), score)]
+        for d in lattice.best_paths(num_drafts + 1):
+            if len(drafts) < num_drafts and d.tokens != drafts[0].tokens:
+                drafts.append(d)
+        return drafts
+
+
+def truncated_base(base: PreTrainedModel, num_layers: int) -> PreTrainedModel:
+    """A cheap rescorer LM derived from the base: its embeddings, first `num_layers` decoder layers, final norm and
+    output layer (copied weights, same vocabulary). Trained further with a LoRA (training/train_rescorer.py)."""
+    import copy
+
+    config = copy.deepcopy(base.config)
+    text = config.get_text_config()
+    if not 1 <= num_layers <= text.num_hidden_layers:
+        raise BPDConfigError(f"num_layers must be in [1, {text.num_hidden_layers}], got {num_layers}")
+    text.num_hidden_layers = num_layers
+    if getattr(text, "layer_types", None):
+        text.layer_types = text.layer_types[:num_layers]
+    small = AutoModelForCausalLM.from_config(config, dtype=base.dtype)
+    state = base.state_dict()
+    missing = [k for k in small.state_dict() if k not in state]
+    if missing:
+        raise BPDConfigError(f"cannot derive a rescorer from {type(base).__name__}: no weights for {missing[:2]}")
+    small.load_state_dict({k: state[k] for k in small.state_dict()})
+    return small.eval()
+
+
+def load_bundled_neural(base: PreTrainedModel, directory, spec: dict) -> NeuralRescorer:
+    """The neural rescorer a checkpoint bundles: `{"type": "base_prefix", "num_layers": n, "path": adapter dir}` (a
+    LoRA over the base's first layers) or `{"type": "model", "path": dir}` (any causal LM with the base vocabulary)."""
+    from pathlib import Path
+
+    path = Path(directory) / spec["path"]
+    if spec.get("type", "model") == "base_prefix":
+        from peft import PeftModel
+
+        lm = PeftModel.from_pretrained(truncated_base(base, int(spec["num_layers"])), path).merge_and_unload()
+    else:
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return NeuralRescorer(lm, alpha=float(spec.get("alpha", 1.0)))

@@ -1,0 +1,544 @@
+"""Global n-gram rescoring (paper Sec. 7.2): KenLM models over token ids and the exact p-best lattice rescorer.
+
+`build_ngram` tokenises text with the base tokenizer, writes one line of token ids per document (each id a word) and
+runs KenLM's `lmplz` and `build_binary`. `NgramRescorer` returns the p best paths through a step's top-k lattice
+under
+
+    score(path) = sum_i logprob_i(r_i) + alpha_i * ln(10) * log10 P_ngram(token_i(r_i) | history),
+
+where the history starts with the last `order - 1` tokens of the context. The search is an exact dynamic program
+over heads: paths that reach the same KenLM state (KenLM states are minimal: they keep only the words a longer
+n-gram can use) have identical futures, so keeping the p best per state is enough. It runs in a small compiled
+library (`csrc/ngram_pbest.cpp`, built by `install.sh` against KenLM) or, when that is absent, in pure Python with
+the same arithmetic and tie-breaking (score, then rank vector), so both return the same drafts.
+
+KenLM lives in `$HF_BPD_CACHE/kenlm` (default `~/.cache/hf_bpd/kenlm`): `bash install.sh` builds `lmplz` and
+`build_binary` from the kenlm sdist there; `$HF_BPD_KENLM_BIN` points at another directory of KenLM binaries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from .base_models import cache_dir
+from .errors import BPDConfigError, BPDError
+from .lattice import Draft, Lattice
+from .rescoring import Rescorer
+
+LN10 = math.log(10.0)
+SETUP_HINT = "run `bash install.sh` in the hf_bpd repository"
+BUILD_HINT = "build one with hf_bpd.build_ngram(...) or `python training/build_ngram.py`"
+_SOURCE = Path(__file__).parent / "csrc" / "ngram_pbest.cpp"
+# -ffp-contract=off: no fused multiply-add, so scores match the Python path to the last bit.
+_CXXFLAGS = ["-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fvisibility=hidden", "-DNDEBUG",
+             "-DKENLM_MAX_ORDER=6"]
+_LIBS = ["-lkenlm", "-lkenlm_util", "-lz", "-lbz2", "-llzma", "-pthread", "-Wl,--exclude-libs,ALL"]
+
+
+class NgramError(BPDError):
+    """An n-gram model is missing or corrupt, or KenLM failed."""
+
+
+class KenLMNotFoundError(NgramError):
+    """KenLM's programs or libraries are not installed."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KenLM installation
+
+
+def kenlm_dir() -> Path:
+    """Where `install.sh` builds KenLM: `src/` (the sdist), `build/bin/`, `build/lib/`, and `lib/` (ours)."""
+    return cache_dir() / "kenlm"
+
+
+def kenlm_binary(name: str) -> Path:
+    """Path of a KenLM program (`lmplz`, `build_binary`): `$HF_BPD_KENLM_BIN`, else the cache, else `PATH`."""
+    override = os.environ.get("HF_BPD_KENLM_BIN")
+    if override:
+        found = Path(override) / name
+        if found.is_file() and os.access(found, os.X_OK):
+            return found
+        raise KenLMNotFoundError(f"KenLM's {name} is not in HF_BPD_KENLM_BIN={override}: point it at KenLM's "
+                                 f"bin directory, or unset it and {SETUP_HINT}")
+    built = kenlm_dir() / "build" / "bin" / name
+    if built.is_file() and os.access(built, os.X_OK):
+        return built
+    on_path = shutil.which(name)
+    if on_path:
+        return Path(on_path)
+    raise KenLMNotFoundError(f"KenLM's {name} is not installed (looked in {built.parent} and PATH): {SETUP_HINT}")
+
+
+def fast_path_file() -> Path:
+    """The compiled rescorer for this version of `csrc/ngram_pbest.cpp` (its hash is in the file name)."""
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CXXFLAGS + _LIBS).encode()).hexdigest()[:16]
+    return kenlm_dir() / "lib" / f"libhf_bpd_ngram-{digest}.so"
+
+
+def build_fast_path(force: bool = False) -> Path:
+    """Compile `csrc/ngram_pbest.cpp` against KenLM's sources and static libraries (built by `install.sh`)."""
+    target = fast_path_file()
+    if target.exists() and not force:
+        return target
+    src, libs = kenlm_dir() / "src", kenlm_dir() / "build" / "lib"
+    if not (src / "lm" / "model.hh").exists() or not (libs / "libkenlm.a").exists():
+        raise KenLMNotFoundError(f"KenLM's sources and static libraries are not in {kenlm_dir()}: {SETUP_HINT}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(f".{os.getpid()}.tmp")
+    command = [os.environ.get("CXX", "g++"), *_CXXFLAGS, f"-I{src}", str(_SOURCE), "-o", str(partial), f"-L{libs}",
+               *_LIBS]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines() or ["?"]
+        raise NgramError(f"compiling {_SOURCE.name} failed: {errors[0].strip()}")
+    os.replace(partial, target)
+    return target
+
+
+_library = None
+_warned_python = False
+
+
+def load_fast_path():
+    """The compiled rescorer as a `ctypes.CDLL`, or `None` if it is not built (see `build_fast_path`)."""
+    global _library
+    if _library is None:
+        path = fast_path_file()
+        if not path.exists():
+            return None
+        lib = ctypes.CDLL(str(path))
+        ptr, cint = ctypes.c_void_p, ctypes.c_int
+        lib.bpd_ngram_load.argtypes = [ctypes.c_char_p, ctypes.c_char_p, cint]
+        lib.bpd_ngram_load.restype = ptr
+        lib.bpd_ngram_free.argtypes = [ptr]
+        lib.bpd_ngram_free.restype = None
+        lib.bpd_ngram_order.argtypes = [ptr]
+        lib.bpd_ngram_order.restype = cint
+        lib.bpd_ngram_pbest.argtypes = [ptr, ptr, cint, ptr, ptr, ptr, cint, cint, cint, cint, ptr, ptr,
+                                        ctypes.c_char_p, cint]
+        lib.bpd_ngram_pbest.restype = cint
+        _library = lib
+    return _library
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The p-best search
+
+
+def _path_order(path: tuple[float, tuple[int, ...]]):
+    """Sort key of a `(score, ranks)` path: higher score first, then the smaller rank vector."""
+    return -path[0], path[1]
+
+
+def pbest_python(model, context: list[int], tokens: list[list[int]], logprobs: list[list[float]],
+                 weights: list[float], p: int, order: int) -> list[tuple[tuple[int, ...], float]]:
+    """Exact p-best paths in pure Python (the reference for the compiled path; same result, slower).
+
+    Args:
+        model: a `kenlm.Model`.
+        context: the history, at most `order - 1` token ids.
+        tokens, logprobs: `(num_heads, k)` lattice token ids and head log-probabilities.
+        weights: `(num_heads,)` n-gram weight per head, already multiplied by ln(10).
+        p: paths to return.
+        order: n-gram order to use (<= the model's); histories are cut to `order - 1` tokens.
+    Returns:
+        Up to `p` `(ranks, score)`, best first; `ranks[i]` indexes `tokens[i]`.
+    """
+    import kenlm
+
+    keep = order - 1
+    cut = keep < model.order - 1  # using a lower order: rebuild each state from its last `keep` tokens
+    states: dict[tuple[int, ...], kenlm.State] = {}
+
+    def state_of(tail: tuple[int, ...]):
+        if tail not in states:
+            state = kenlm.State()
+            model.NullContextWrite(state)
+            for token in tail:
+                following = kenlm.State()
+                model.BaseScore(state, str(token), following)
+                state = following
+            states[tail] = state
+        return states[tail]
+
+    start = tuple(context[-keep:]) if keep else ()
+    layer = {state_of(start): (start, [(0.0, ())])}  # KenLM state -> (a token tail, its p best paths)
+    for i, (row, row_lp) in enumerate(zip(tokens, logprobs)):
+        last = i == len(tokens) - 1
+        words = [str(t) for t in row]
+        following_layer: dict = {}
+        for state, (tail, paths) in layer.items():
+            for r, word in enumerate(words):
+                following = kenlm.State()
+                term = row_lp[r] + weights[i] * model.BaseScore(state, word, following)
+                following_tail = None
+                if cut:
+                    following_tail = (tail + (row[r],))[-keep:] if keep else ()
+                    following = state_of(following_tail)
+                key = None if last else following  # the last head has no future: one bucket
+                _, bucket = following_layer.setdefault(key, (following_tail, []))
+                bucket.extend((score + term, ranks + (r,)) for score, ranks in paths)
+        layer = {state: (tail, sorted(bucket, key=_path_order)[:p])
+                 for state, (tail, bucket) in following_layer.items()}
+    (_, best), = layer.values()
+    return [(ranks, score) for score, ranks in best]
+
+
+def pbest_compiled(handle, context: list[int], tokens: torch.Tensor, logprobs: torch.Tensor, weights: list[float],
+                   p: int, order: int) -> list[tuple[tuple[int, ...], float]]:
+    """`pbest_python` in the compiled library; `handle` from its `bpd_ngram_load`, lattice tensors `(h, k)`."""
+    lib = load_fast_path()
+    h, k = tokens.shape
+    history = torch.tensor(context, dtype=torch.int64)
+    tokens = tokens.to(torch.int64).contiguous()
+    logprobs = logprobs.to(torch.float64).contiguous()
+    weights = torch.tensor(weights, dtype=torch.float64)
+    ranks = torch.empty((p, h), dtype=torch.int32)
+    scores = torch.empty(p, dtype=torch.float64)
+    error = ctypes.create_string_buffer(512)
+    n = lib.bpd_ngram_pbest(handle, history.data_ptr(), len(context), tokens.data_ptr(), logprobs.data_ptr(),
+                            weights.data_ptr(), h, k, p, order, ranks.data_ptr(), scores.data_ptr(), error, 512)
+    if n < 0:
+        raise NgramError(f"n-gram rescoring failed: {error.value.decode(errors='replace')}")
+    return list(zip(map(tuple, ranks[:n].tolist()), scores[:n].tolist()))
+
+
+def _one_line(err: Exception) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+class NgramRescorer(Rescorer):
+    """Global n-gram rescoring: the `num_drafts` best lattice paths under heads + alpha * n-gram (exact).
+
+    Args:
+        path: a KenLM model over token ids (binary from `build_ngram`, or ARPA).
+        alpha: interpolation weight α >= 0 of the n-gram log-probability (0: head scores alone).
+        order: use at most this n-gram order (histories of `order - 1` tokens); default the model's.
+        entropy_adaptive: weight the n-gram more on uncertain heads (paper App. B.2, future work): head `i` gets
+            `alpha_i = alpha * H_i / mean_j H_j`, with `H_i` the entropy (nats) of head `i`'s top-k probabilities
+            renormalised to sum to 1 (the lattice keeps only the top k); `alpha_i = alpha` if every `H_i` is 0.
+        backend: `"auto"` (compiled if built, else Python with a one-time warning), `"compiled"` or `"python"`.
+    """
+
+    def __init__(self, path, alpha: float = 1.0, order: int | None = None, entropy_adaptive: bool = False,
+                 backend: str = "auto"):
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0:
+            raise BPDConfigError(f"alpha (the n-gram interpolation weight) must be a finite number >= 0, got {alpha!r}")
+        if backend not in ("auto", "compiled", "python"):
+            raise BPDConfigError(f"backend must be 'auto', 'compiled' or 'python', got {backend!r}")
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise NgramError(f"no n-gram model at {self.path}: {BUILD_HINT}")
+        self.alpha = float(alpha)
+        self.entropy_adaptive = bool(entropy_adaptive)
+        self._handle = self._model = None
+        lib = load_fast_path() if backend != "python" else None
+        if lib is not None:
+            error = ctypes.create_string_buffer(512)
+            self._handle = lib.bpd_ngram_load(str(self.path).encode(), error, 512)
+            if not self._handle:
+                raise NgramError(f"{self.path} is not a KenLM model ({_one_line(error.value.decode(errors='replace'))})"
+                                 f": {BUILD_HINT}")
+            self.model_order = lib.bpd_ngram_order(self._handle)
+            self.backend = "compiled"
+        elif backend == "compiled":
+            raise KenLMNotFoundError(f"the compiled n-gram rescorer is not built: {SETUP_HINT}")
+        else:
+            self._model = _load_python_model(self.path)
+            self.model_order = self._model.order
+            self.backend = "python"
+            global _warned_python
+            if backend == "auto" and not _warned_python:
+                _warned_python = True
+                warnings.warn(f"hf_bpd's compiled n-gram rescorer is not built, using the slower pure-Python one: "
+                              f"{SETUP_HINT}", stacklevel=2)
+        if order is None:
+            order = self.model_order
+        if isinstance(order, bool) or not isinstance(order, int) or not 1 <= order <= self.model_order:
+            raise BPDConfigError(f"order must be an integer in [1, {self.model_order}] (the model's order), "
+                                 f"got {order!r}")
+        self.order = order
+
+    def __del__(self):
+        if getattr(self, "_handle", None) and _library is not None:
+            _library.bpd_ngram_free(self._handle)
+            self._handle = None
+
+    def __repr__(self) -> str:
+        return (f"NgramRescorer({str(self.path)!r}, alpha={self.alpha}, order={self.order}, "
+                f"entropy_adaptive={self.entropy_adaptive}, backend={self.backend!r})")
+
+    def head_weights(self, lattice: Lattice) -> list[float]:
+        """`(num_heads,)` weights of the n-gram log10-probability per head: `alpha_i * ln(10)`."""
+        h = lattice.num_heads
+        if not self.entropy_adaptive:
+            return [self.alpha * LN10] * h
+        entropy = torch.special.entr(torch.softmax(lattice.logprobs.double(), dim=-1)).sum(-1)
+        mean = float(entropy.mean())
+        if mean <= 0.0:
+            return [self.alpha * LN10] * h
+        return (self.alpha * LN10 * entropy / mean).tolist()
+
+    def rescore(self, lattice: Lattice, context: list[int], num_drafts: int) -> list[Draft]:
+        """The `num_drafts` best paths of `lattice` `(num_heads, k)` after `context`, best first (see the class)."""
+        if isinstance(num_drafts, bool) or not isinstance(num_drafts, int) or num_drafts < 1:
+            raise BPDConfigError(f"num_drafts must be an integer >= 1, got {num_drafts!r}")
+        if lattice.num_heads == 0:
+            return []
+        keep = self.order - 1
+        history = [int(t) for t in context[max(len(context) - keep, 0):]]
+        weights = self.head_weights(lattice)
+        if self._handle is not None:
+            best = pbest_compiled(self._handle, history, lattice.tokens, lattice.logprobs, weights, num_drafts,
+                                  self.order)
+        else:
+            best = pbest_python(self._model, history, lattice.tokens.tolist(), lattice.logprobs.double().tolist(),
+                                weights, num_drafts, self.order)
+        rows = lattice.tokens.tolist()
+        return [Draft(tuple(rows[i][r] for i, r in enumerate(ranks)), score) for ranks, score in best]
+
+
+def _load_python_model(path: Path):
+    import kenlm
+
+    config = kenlm.Config()
+    config.show_progress = False
+    try:
+        return kenlm.Model(str(path), config)
+    except Exception as err:  # noqa: BLE001 - KenLM raises OSError/RuntimeError/... with multi-line messages
+        raise NgramError(f"{path} is not a KenLM model ({_one_line(err)}): {BUILD_HINT}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building a model
+
+
+def _run(command: list, what: str) -> None:
+    done = subprocess.run([str(c) for c in command], capture_output=True, text=True)
+    if done.returncode != 0:
+        if "--discount_fallback" in done.stderr:
+            raise NgramError(f"{what} could not estimate Kneser-Ney discounts (a tiny or artificial corpus): pass "
+                             "discount_fallback=True (--discount-fallback)")
+        lines = [line.strip() for line in done.stderr.splitlines() if line.strip()] or [f"exit {done.returncode}"]
+        reason = next((line for line in reversed(lines) if "rror" in line or "xception" in line), lines[-1])
+        raise NgramError(f"{what} failed: {_one_line(Exception(reason))}")
+
+
+def _text_batches(source, json_field: str, batch_size: int):
+    """An iterator over batches of text lines from text/JSON(L) files (read with `datasets`) or a `Dataset` column.
+
+    Checks the files now, not when iterated."""
+    import datasets
+
+    if isinstance(source, (datasets.Dataset, datasets.IterableDataset)):
+        dataset = source
+    else:
+        files = [str(f) for f in ([source] if isinstance(source, (str, os.PathLike)) else source)]
+        for f in files:
+            if not Path(f).is_file():
+                raise NgramError(f"no text file {f}: pass existing .txt/.txt.gz/.json/.jsonl files")
+        stem = [f[:-3] if f.endswith((".gz", ".xz")) else f[:-4] if f.endswith(".bz2") else f for f in files]
+        kind = "json" if all(s.endswith((".json", ".jsonl")) for s in stem) else "text"
+        dataset = datasets.load_dataset(kind, data_files=files, split="train", streaming=True)
+        if kind == "text":
+            json_field = "text"
+
+    def batches():
+        for batch in dataset.iter(batch_size=batch_size):
+            if json_field not in batch:
+                raise NgramError(f"the data has no field {json_field!r} (fields: {', '.join(batch)}): pass "
+                                 "json_field=")
+            yield batch[json_field]
+
+    return batches()
+
+
+def write_token_ids(text_files_or_dataset, tokenizer, output_path, json_field: str = "text",
+                    max_lines: int | None = None, strip_wiki_markup: bool = False, batch_size: int = 1000,
+                    progress: bool = True) -> tuple[int, int]:
+    """Tokenise text (see `build_ngram`) into `output_path`: a line of space-separated token ids per non-empty line.
+
+    Returns `(lines, tokens)` written.
+    """
+    from tqdm.auto import tqdm
+
+    lines = tokens = 0
+    batches = _text_batches(text_files_or_dataset, json_field, batch_size)
+    with open(output_path, "w") as out, tqdm(desc="tokenising", unit=" lines", disable=not progress) as bar:
+        for batch in batches:
+            batch = [t.strip() for t in batch if t and t.strip()]
+            if strip_wiki_markup:
+                batch = [t for t in batch if not (t.startswith("<doc ") or t == "</doc>")]
+            if max_lines is not None:
+                batch = batch[: max_lines - lines]
+            for ids in tokenizer(batch, add_special_tokens=False)["input_ids"] if batch else []:
+                out.write(" ".join(map(str, ids)) + "\n")
+                tokens += len(ids)
+            lines += len(batch)
+            bar.update(len(batch))
+            if max_lines is not None and lines >= max_lines:
+                break
+    return lines, tokens
+
+
+def _check_build_options(order, binary_type, quantize) -> tuple[Path, Path]:
+    """Validate `build_ngram`'s options; returns the paths of `lmplz` and `build_binary`."""
+    if isinstance(order, bool) or not isinstance(order, int) or not 2 <= order <= 5:
+        raise BPDConfigError(f"order must be an integer in [2, 5], got {order!r}")
+    if binary_type not in ("trie", "probing"):
+        raise BPDConfigError(f"binary_type must be 'trie' or 'probing', got {binary_type!r}")
+    if quantize is not None and (binary_type != "trie" or not 2 <= quantize <= 25):
+        raise BPDConfigError(f"quantize must be a bit count in [2, 25] with binary_type='trie', got {quantize!r}")
+    return kenlm_binary("lmplz"), kenlm_binary("build_binary")
+
+
+def build_ngram_from_ids(token_file, output_path, order: int = 4, prune=None, memory: str = "1G",
+                         discount_fallback: bool = False, binary_type: str = "trie",
+                         quantize: int | None = None) -> Path:
+    """`lmplz` + `build_binary` on a file of token-id lines (as `write_token_ids` writes); see `build_ngram`."""
+    lmplz, build_binary = _check_build_options(order, binary_type, quantize)
+    output_path = Path(output_path)
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="hf_bpd_ngram_", dir=output_path.parent) as tmp:
+        arpa, partial = Path(tmp) / "model.arpa", Path(tmp) / "model.bin"
+        command = [lmplz, "-o", order, "-S", memory, "-T", f"{tmp}/", "--text", token_file, "--arpa", arpa]
+        if prune:
+            command += ["--prune", *(prune.split() if isinstance(prune, str) else prune)]
+        if discount_fallback:
+            command.append("--discount_fallback")
+        _run(command, "lmplz")
+        with arpa.open() as f:
+            arpa_header = [next(f) for _ in range(order + 3)]
+        command = [build_binary, "-S", memory, "-T", f"{tmp}/"]
+        if quantize is not None:
+            command += ["-q", quantize, "-b", quantize, "-a", 22]
+        _run([*command, binary_type, arpa, partial], "build_binary")
+        os.replace(partial, output_path)
+    info_path(output_path).unlink(missing_ok=True)
+    write_info(output_path, order=order, ngram_counts=_arpa_counts(arpa_header), binary_type=binary_type,
+               quantize=quantize, prune=prune)
+    return output_path
+
+
+def _arpa_counts(header: list[str]) -> list[int]:
+    """N-gram counts per order from an ARPA file's `\\data\\` section (`ngram 1=...` lines)."""
+    return [int(line.split("=")[1]) for line in header if line.startswith("ngram ")]
+
+
+def info_path(model_path) -> Path:
+    """The JSON next to a model that `build_ngram` writes: order, n-gram counts per order, lines, tokens."""
+    return Path(f"{model_path}.json")
+
+
+def write_info(model_path, **info) -> None:
+    path = info_path(model_path)
+    old = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**old, **info}, indent=1) + "\n")
+
+
+def build_ngram(text_files_or_dataset, tokenizer, output_path, order: int = 4, prune=None, memory: str = "1G",
+                discount_fallback: bool = False, binary_type: str = "trie", quantize: int | None = None,
+                json_field: str = "text", max_lines: int | None = None, strip_wiki_markup: bool = False,
+                progress: bool = True) -> Path:
+    """Train a KenLM n-gram over the base tokenizer's token ids and write it as a KenLM binary.
+
+    Args:
+        text_files_or_dataset: text files (one document or paragraph per line; `.gz` fine), JSON/JSONL files (the
+            `json_field` of each record), or a `datasets.Dataset` with a `json_field` column.
+        tokenizer: the base model's tokenizer (special tokens are not added).
+        output_path: the `.bin` to write.
+        order: n-gram order, 2-5.
+        prune: `lmplz --prune` count thresholds per order, e.g. `[0, 0, 1]` (None: no pruning).
+        memory: `lmplz -S` (and `build_binary -S`), e.g. `"1G"` or `"20%"`; lmplz's own default takes 80 % of RAM.
+        discount_fallback: `lmplz --discount_fallback`, needed for tiny or artificial corpora.
+        binary_type: `"trie"` (small) or `"probing"` (fastest, larger).
+        quantize: with a trie, quantise probabilities and backoffs to this many bits (`-q Q -b Q -a 22`).
+        max_lines: stop after this many non-empty lines.
+        strip_wiki_markup: drop WikiExtractor's `<doc ...>` / `</doc>` lines.
+    Returns:
+        `output_path`. Beside it, `<output_path>.json` records the order, the n-gram counts per order, and the
+        lines and tokens read.
+    """
+    _check_build_options(order, binary_type, quantize)  # fail before tokenising, not after
+    output_path = Path(output_path)
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="hf_bpd_ngram_", dir=output_path.parent) as tmp:
+        corpus = Path(tmp) / "tokens.txt"
+        lines, tokens = write_token_ids(text_files_or_dataset, tokenizer, corpus, json_field, max_lines,
+                                        strip_wiki_markup, progress=progress)
+        if tokens == 0:
+            raise NgramError("no text to train the n-gram on: the input is empty")
+        build_ngram_from_ids(corpus, output_path, order, prune, memory, discount_fallback, binary_type, quantize)
+    write_info(output_path, lines=lines, tokens=tokens, tokenizer=getattr(tokenizer, "name_or_path", None))
+    return output_path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line: `hf-bpd build-ngram` (add_parser) and training/build_ngram.py (cli_build_ngram)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="base model (alias, directory, Hub id) or heads checkpoint whose tokenizer to use")
+    parser.add_argument("--text", nargs="+", required=True, metavar="FILE",
+                        help="text files (.txt, .txt.gz: a line per document) or JSON/JSONL files")
+    parser.add_argument("--json-field", default="text", help="field of each JSON record holding the text")
+    parser.add_argument("--order", type=int, default=4, help="n-gram order (2-5)")
+    parser.add_argument("--prune", type=int, nargs="+", default=None, metavar="N",
+                        help="lmplz --prune count thresholds per order, e.g. 0 0 1")
+    parser.add_argument("--memory", default="1G", help="lmplz -S memory, e.g. 1G or 20%%")
+    parser.add_argument("--max-lines", type=int, default=None, help="use only the first N non-empty lines")
+    parser.add_argument("--wikipedia", action="store_true", help="drop WikiExtractor <doc ...>/</doc> lines")
+    parser.add_argument("--discount-fallback", action="store_true", help="lmplz --discount_fallback (tiny corpora)")
+    parser.add_argument("--binary-type", default="trie", choices=["trie", "probing"])
+    parser.add_argument("--quantize", type=int, default=None, metavar="BITS", help="trie quantisation, e.g. 8")
+    parser.add_argument("--output", required=True, metavar="FILE.bin", help="the KenLM binary to write")
+
+
+def cmd_build_ngram(args: argparse.Namespace) -> int:
+    from .base_models import load_tokenizer
+
+    path = build_ngram(args.text, load_tokenizer(args.model), args.output, order=args.order, prune=args.prune,
+                       memory=args.memory, discount_fallback=args.discount_fallback, binary_type=args.binary_type,
+                       quantize=args.quantize, json_field=args.json_field, max_lines=args.max_lines,
+                       strip_wiki_markup=args.wikipedia)
+    info = json.loads(info_path(path).read_text())
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): {info['tokens']:,} tokens, "
+          f"{sum(info['ngram_counts']):,} n-grams (per order: {info['ngram_counts']})", file=sys.stderr)
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add `build-ngram` to an `argparse` subparsers object (as `hf-bpd` does)."""
+    parser = subparsers.add_parser("build-ngram", help="train a KenLM n-gram over the base tokenizer's token ids",
+                                   description=build_ngram.__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.set_defaults(func=cmd_build_ngram)
+    return parser
+
+
+def cli_build_ngram(argv: list[str] | None = None) -> int:
+    """`python training/build_ngram.py ...`: one-line errors, exit status 2."""
+    parser = argparse.ArgumentParser(prog="build_ngram", description=build_ngram.__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return cmd_build_ngram(args)
+    except (BPDError, OSError) as err:
+        print(f"build_ngram: error: {_one_line(err)}", file=sys.stderr)
+        return 2

@@ -1,0 +1,152 @@
+"""Training pieces for drafting heads: examples, cached base hidden states, draft vocabulary, metrics.
+
+With a frozen base (Medusa-1, the paper's setting) the base's last hidden states are computed once and cached, and
+the heads train on them: a step then costs only the heads, which on CPU is what makes training affordable. With LoRA
+in the base (Medusa-2) the whole model runs every step (`BlockwiseParallelForCausalLM.forward(labels=...)`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from .data import conversation_messages, tokenize_conversation
+
+logger = logging.getLogger(__name__)
+
+
+def build_examples(tokenizer, records, max_length: int = 1024) -> tuple[list[dict], int]:
+    """Chat-template examples (assistant-only labels) from ShareGPT/Alpaca records; returns `(examples, skipped)`.
+
+    Malformed records (no usable turns, nothing for the assistant to learn) are skipped and counted, not fatal.
+    """
+    examples, skipped = [], 0
+    for record in records:
+        try:
+            messages = conversation_messages(record)
+            if not any(m["role"] == "assistant" and m["content"] for m in messages):
+                raise ValueError("no assistant turn")
+            example = tokenize_conversation(tokenizer, messages, max_length)
+        except (ValueError, KeyError, TypeError):
+            skipped += 1
+            continue
+        if sum(label != -100 for label in example["labels"]) < 2:
+            skipped += 1
+            continue
+        examples.append(example)
+    if skipped:
+        logger.warning("skipped %d malformed or empty records", skipped)
+    return examples, skipped
+
+
+def choose_draft_vocab(examples: list[dict], size: int, always: list[int] = ()) -> list[int]:
+    """The `size` most frequent label tokens (plus `always`, e.g. EOS): what the heads will score over.
+
+    When the data has fewer distinct tokens, the lowest unused ids fill the vocabulary up to `size`."""
+    counts = Counter(t for ex in examples for t in ex["labels"] if t != -100)
+    vocab = list(dict.fromkeys(list(always) + [t for t, _ in counts.most_common(size)]))[:size]
+    filler = (i for i in range(size + len(vocab)) if i not in set(vocab))
+    return sorted(vocab + [next(filler) for _ in range(size - len(vocab))])
+
+
+@torch.no_grad()
+def cache_hidden_states(model, examples: list[dict], batch_tokens: int = 4096, dtype=torch.bfloat16,
+                        targets: str = "data") -> list[dict]:
+    """Run the frozen base once over every example; keep `(hidden (seq, d), labels (seq,))` per example.
+
+    `targets="base"` replaces every trainable label by the base's own greedy prediction of that token (the argmax
+    of the previous position's logits, from the same forward pass): teacher-forced self-distillation, so the heads
+    learn what *the base* would say next along the data, at no generation cost. `targets="data"` keeps the text.
+    """
+    cached = []
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))
+    batches, batch = [], []
+    for i in order:
+        batch.append(i)
+        if len(batch) * len(examples[i]["input_ids"]) >= batch_tokens:
+            batches.append(batch)
+            batch = []
+    if batch:
+        batches.append(batch)
+    results = {}
+    for batch in tqdm(batches, desc="caching base hidden states", unit="batch"):
+        width = max(len(examples[i]["input_ids"]) for i in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, i in enumerate(batch):
+            n = len(examples[i]["input_ids"])
+            ids[row, :n] = torch.tensor(examples[i]["input_ids"])
+            mask[row, :n] = 1
+        out = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), return_head_logits=False)
+        hidden = out.last_hidden_state
+        for row, i in enumerate(batch):
+            n = len(examples[i]["input_ids"])
+            labels = torch.tensor(examples[i]["labels"])
+            if targets == "base":
+                predicted = out.logits[row, : n - 1].argmax(-1).cpu()
+                labels[1:] = torch.where(labels[1:] != -100, predicted, labels[1:])
+            results[i] = {"hidden": hidden[row, :n].to(dtype).cpu(), "labels": labels}
+    for i in range(len(examples)):
+        cached.append(results[i])
+    return cached
+
+
+def collate_cached(items: list[dict]) -> dict:
+    width = max(len(it["labels"]) for it in items)
+    d = items[0]["hidden"].shape[-1]
+    hidden = torch.zeros(len(items), width, d, dtype=items[0]["hidden"].dtype)
+    labels = torch.full((len(items), width), -100, dtype=torch.long)
+    for row, it in enumerate(items):
+        n = len(it["labels"])
+        hidden[row, :n] = it["hidden"]
+        labels[row, :n] = it["labels"]
+    return {"hidden": hidden, "labels": labels}
+
+
+class HeadsOnHiddenStates(nn.Module):
+    """Trains `model.heads` on cached base hidden states: `forward(hidden, labels)` -> BPD loss (App. C.1).
+
+    Head `i` (0-based) at position `t` is trained on `labels[t + 2 + i]`; losses are weighted by the config's λ_h.
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        self.heads = model.heads
+        self.weights = list(model.config.head_loss_weights)
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, return_stats: bool = False):
+        hidden = hidden.to(next(self.heads.parameters()).dtype)
+        losses, stats = [], []
+        for i in range(len(self.heads.heads)):
+            shift = i + 2
+            targets = self.heads.to_draft_ids(labels[:, shift:])
+            keep = targets != -100
+            if not keep.any():
+                losses.append(hidden.new_zeros(()))
+                stats.append((0, 0, 0))
+                continue
+            logits = self.heads.head_logits(i, hidden[:, :-shift][keep])
+            losses.append(nn.functional.cross_entropy(logits.float(), targets[keep]))
+            if return_stats:
+                top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
+                stats.append((int(keep.sum()), int((top5[:, 0] == targets[keep]).sum()),
+                              int((top5 == targets[keep][:, None]).any(-1).sum())))
+        losses = torch.stack(losses)
+        loss = (torch.tensor(self.weights, dtype=losses.dtype) * losses).sum()
+        return (loss, losses, stats) if return_stats else (loss, losses)
+
+
+@torch.no_grad()
+def head_accuracy(trainer_module: HeadsOnHiddenStates, cached: list[dict], batch_size: int = 8) -> list[dict]:
+    """Per-head top-1 / top-5 accuracy (and count) on cached held-out examples."""
+    totals = None
+    for start in range(0, len(cached), batch_size):
+        batch = collate_cached(cached[start: start + batch_size])
+        _, _, stats = trainer_module(batch["hidden"], batch["labels"], return_stats=True)
+        totals = stats if totals is None else [tuple(a + b for a, b in zip(x, y)) for x, y in zip(totals, stats)]
+    return [{"head": i + 1, "positions": n, "top1": c1 / max(n, 1), "top5": c5 / max(n, 1)}
+            for i, (n, c1, c5) in enumerate(totals or [])]

@@ -1,0 +1,266 @@
+"""`hf_bpd.bench`: prompt files, and every method on a tiny checkpoint with the real SmolLM2 tokenizer."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import hf_bpd
+from hf_bpd import BlockwiseParallelForCausalLM
+from hf_bpd.bench import (
+    METHODS,
+    BenchOptions,
+    decode_ar,
+    default_decoders,
+    encode_messages,
+    load_questions,
+    markdown_report,
+    parse_methods,
+    plot_report,
+    run_bench,
+)
+from hf_bpd.errors import BPDConfigError
+
+SUMMARY_KEYS = {"method", "category", "samples", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_ar",
+                "block_efficiency", "serial_calls", "mean_accepted", "draft_share", "exact", "exact_rate"}
+SAMPLE_KEYS = {"id", "category", "turn", "method", "prompt_tokens", "new_tokens", "seconds", "tokens_per_s",
+               "speedup_vs_ar", "serial_calls", "block_efficiency", "mean_accepted", "accepted_lengths",
+               "draft_seconds", "draft_tokens", "output_ids", "exact"}
+QUESTIONS = [
+    {"question_id": 81, "category": "writing", "turns": ["Write a short poem about the sea.", "Now make it rhyme."]},
+    {"question_id": 82, "category": "math", "turns": ["What is 12 times 7?"]},
+    {"question_id": 83, "category": "math", "turns": ["List the first five prime numbers."]},
+]
+
+
+def make_tiny_checkpoint(root):
+    """A 2-layer Llama with SmolLM2's vocabulary and tokenizer (base dir), wrapped with 3 random heads (heads dir)."""
+    tokenizer = hf_bpd.load_tokenizer("smollm2-135m-instruct")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    base_dir, heads_dir = root / "base", root / "heads"
+    AutoModelForCausalLM.from_config(config).save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    model = BlockwiseParallelForCausalLM.from_base(str(base_dir), num_heads=3)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    model.save_pretrained(heads_dir)
+    return base_dir, heads_dir
+
+
+def write_questions(path, rows=QUESTIONS):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one thread is fastest, and robust on a loaded machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint):
+    model = BlockwiseParallelForCausalLM.from_pretrained(checkpoint[1])
+    return model, hf_bpd.load_tokenizer(str(checkpoint[1]))
+
+
+# ------------------------------------------------------------------ prompt files
+def test_load_questions_layouts(tmp_path):
+    mt = load_questions(write_questions(tmp_path / "mt.jsonl"))
+    assert [q["id"] for q in mt] == ["81", "82", "83"]
+    assert mt[0]["category"] == "writing" and mt[0]["turns"] == QUESTIONS[0]["turns"]
+
+    alpaca = [{"instruction": "Translate to French.", "input": "Good morning", "output": "Bonjour"},
+              {"instruction": "Name a color.", "input": ""},
+              {"instruction": "Name a color.", "input": ""}]  # duplicate: kept once
+    (tmp_path / "alpaca.json").write_text(json.dumps(alpaca))
+    got = load_questions(tmp_path / "alpaca.json")
+    assert [q["turns"] for q in got] == [["Translate to French.\n\nGood morning"], ["Name a color."]]
+    assert got[0]["category"] == "alpaca" and got[0]["id"].startswith("alpaca-")
+    write_questions(tmp_path / "alpaca.jsonl", alpaca[:2])
+    assert [q["turns"] for q in load_questions(tmp_path / "alpaca.jsonl")] == [q["turns"] for q in got]
+
+    (tmp_path / "plain.txt").write_text("first prompt\n\n  second prompt  \n")
+    assert [q["turns"] for q in load_questions(tmp_path / "plain.txt")] == [["first prompt"], ["second prompt"]]
+
+
+def test_load_questions_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no questions file"):
+        load_questions(tmp_path / "missing.jsonl")
+    (tmp_path / "bad.jsonl").write_text('{"turns": ["ok"]}\n{not json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2 is not valid JSON"):
+        load_questions(tmp_path / "bad.jsonl")
+    (tmp_path / "empty.jsonl").write_text('{"answer": 1}\n')
+    with pytest.raises(ValueError, match="no prompts in"):
+        load_questions(tmp_path / "empty.jsonl")
+
+
+def test_parse_methods():
+    assert parse_methods("bpd,pld", METHODS) == ["ar", "bpd", "pld"]  # the reference always runs, first
+    assert parse_methods(None, METHODS) == list(METHODS)
+    with pytest.raises(BPDConfigError, match="unknown method.*nope"):
+        parse_methods("bpd,nope", METHODS)
+
+
+def test_encode_messages_chat_and_plain(loaded):
+    _, tokenizer = loaded
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = encode_messages(tokenizer, messages)  # the tokenizer has a chat template: used by default
+    plain = encode_messages(tokenizer, messages, chat=False)
+    assert chat["input_ids"].shape[1] > plain["input_ids"].shape[1]
+    assert tokenizer.decode(chat["input_ids"][0]).rstrip().endswith("assistant")
+
+
+# ------------------------------------------------------------------ running methods
+def test_bench_every_method_is_exact(loaded, tmp_path):
+    model, tokenizer = loaded
+    questions = load_questions(write_questions(tmp_path / "q.jsonl"))
+    methods = ["ar", "pld", "early-exit", "bpd", "bpd+ngram", "bpd+neural", "pbest", "tree", "tree+ngram"]
+    report = run_bench(model, tokenizer, questions, methods, max_new_tokens=12, progress=False)
+
+    assert set(report) == {"methods", "skipped", "summary", "by_category", "samples"}
+    assert report["methods"] == ["ar", "pld", "early-exit", "bpd", "pbest", "tree"]
+    # rescorers that the checkpoint does not bundle are skipped with the reason, not a crash
+    assert set(report["skipped"]) == {"bpd+ngram", "bpd+neural", "tree+ngram"}
+    assert all("bundles no" in reason for reason in report["skipped"].values())
+
+    assert [r["method"] for r in report["summary"]] == report["methods"]
+    for row in report["summary"] + report["by_category"]:
+        assert set(row) == SUMMARY_KEYS
+        assert row["exact"] is True and row["exact_rate"] == 1.0
+        assert row["block_efficiency"] >= 1.0 and row["tokens_per_s"] > 0 and row["speedup_vs_ar"] > 0
+    assert {r["category"] for r in report["by_category"]} == {"writing", "math"}
+    ar = report["summary"][0]
+    assert ar["block_efficiency"] == 1.0 and ar["speedup_vs_ar"] == 1.0 and ar["serial_calls"] == ar["new_tokens"]
+
+    assert len(report["samples"]) == 3 * 6  # turn 1 of each question, every method
+    for sample in report["samples"]:
+        assert set(sample) == SAMPLE_KEYS and sample["turn"] == 1
+        # every serial call decodes its accepted draft tokens plus one token of its own
+        assert sample["new_tokens"] == sample["serial_calls"] + sum(sample["accepted_lengths"])
+    # methods ran in a different order for each prompt
+    orders = [[s["method"] for s in report["samples"] if s["id"] == q["id"]] for q in questions]
+    assert len({tuple(o) for o in orders}) == 3
+
+    text = markdown_report(report)
+    assert text.splitlines()[0].startswith("| method | tok/s | speed-up vs ar | block efficiency")
+    assert "**NO**" not in text and "`bpd+ngram`: this checkpoint bundles no ngram rescorer" in text
+    written = plot_report(report, tmp_path / "plots")
+    assert all((tmp_path / "plots" / name).exists() for name in ("speedup.png", "block_efficiency.png"))
+    assert len(written) == 2
+
+
+def test_a_broken_decoder_is_not_exact(loaded, tmp_path):
+    model, tokenizer = loaded
+    questions = load_questions(write_questions(tmp_path / "q.jsonl"))
+
+    def broken(model, inputs, max_new_tokens):
+        out, stats = decode_ar(model, inputs, max_new_tokens)
+        out = out.clone()
+        out[0, -1] = (out[0, -1] + 1) % model.config.vocab_size  # one wrong token at the end
+        return out, stats
+
+    def fails(model, inputs, max_new_tokens):
+        raise RuntimeError("boom\nsecond line")
+
+    decoders = {**default_decoders(), "broken": broken, "fails": fails}
+    report = run_bench(model, tokenizer, questions, ["bpd", "broken", "fails"], decoders, max_new_tokens=8,
+                       progress=False)
+    rows = {r["method"]: r for r in report["summary"]}
+    assert rows["broken"]["exact"] is False and rows["broken"]["exact_rate"] == 0.0
+    assert rows["bpd"]["exact"] is True and rows["ar"]["exact"] is True
+    assert report["skipped"] == {"fails": "failed: RuntimeError: boom"}
+    assert "**NO**" in markdown_report(report)
+
+
+def test_multi_turn_continues_the_reference_conversation(loaded, tmp_path):
+    model, tokenizer = loaded
+    questions = load_questions(write_questions(tmp_path / "q.jsonl", QUESTIONS[:2]))
+    report = run_bench(model, tokenizer, questions, ["bpd"], max_new_tokens=6, multi_turn=True, warmup=0,
+                       progress=False)
+    turns = [(s["id"], s["turn"], s["method"]) for s in report["samples"]]
+    assert sorted(turns) == sorted([("81", 1, "ar"), ("81", 1, "bpd"), ("81", 2, "ar"), ("81", 2, "bpd"),
+                                    ("82", 1, "ar"), ("82", 1, "bpd")])
+    first, second = (next(s for s in report["samples"] if s["id"] == "81" and s["turn"] == t and s["method"] == "ar")
+                     for t in (1, 2))
+    assert second["prompt_tokens"] > first["prompt_tokens"] + first["new_tokens"]  # history is in the prompt
+    assert all(s["exact"] for s in report["samples"])
+
+
+def test_plain_base_skips_head_methods(checkpoint, loaded, tmp_path):
+    base, tokenizer = hf_bpd.load_base(str(checkpoint[0]))
+    questions = load_questions(write_questions(tmp_path / "q.jsonl", QUESTIONS[1:2]))
+    report = run_bench(base, tokenizer, questions, ["pld", "bpd", "tree"], max_new_tokens=6, warmup=0,
+                       progress=False)
+    assert report["methods"] == ["ar", "pld"]
+    assert set(report["skipped"]) == {"bpd", "tree"}
+    assert "no drafting heads" in report["skipped"]["bpd"]
+
+
+def test_bench_needs_the_reference():
+    with pytest.raises(BPDConfigError, match="needs 'ar'"):
+        run_bench(None, None, [{"id": "1", "category": "c", "turns": ["x"]}], ["bpd"],
+                  {"bpd": default_decoders()["bpd"]})
+
+
+class NoRepeatRescorer(hf_bpd.Rescorer):
+    """Stands in for a bundled rescorer: the best head-score paths whose tokens never repeat consecutively."""
+
+    def rescore(self, lattice, context, num_drafts):
+        paths = [d for d in lattice.best_paths(64)
+                 if all(a != b for a, b in zip((context[-1],) + d.tokens, d.tokens))]
+        return (paths or lattice.best_paths(1))[:num_drafts]
+
+
+def test_rescored_methods_run_when_a_rescorer_is_bundled(loaded, tmp_path):
+    model, tokenizer = loaded
+    questions = load_questions(write_questions(tmp_path / "q.jsonl"))
+    model.bundled_rescorers["ngram"] = NoRepeatRescorer()
+    try:
+        report = run_bench(model, tokenizer, questions, ["bpd+ngram", "pbest-ngram", "tree+ngram", "bpd+neural"],
+                           default_decoders(BenchOptions(tree_widths=(2, 2), num_drafts=3, draft_top_k=4)),
+                           max_new_tokens=10, progress=False)
+    finally:
+        del model.bundled_rescorers["ngram"]
+    assert report["methods"] == ["ar", "bpd+ngram", "pbest-ngram", "tree+ngram"]
+    assert list(report["skipped"]) == ["bpd+neural"]
+    assert all(row["exact"] for row in report["summary"])
+    widest = {m: max(max(s["draft_tokens"]) for s in report["samples"] if s["method"] == m) for m in report["methods"]}
+    # chain drafts have at most 3 tokens (3 heads); 3 or 4 rescored drafts verified as a tree have more nodes
+    assert widest["ar"] == 0 and widest["bpd+ngram"] <= 3 < widest["pbest-ngram"] <= widest["tree+ngram"] <= 12
+
+
+@pytest.mark.parametrize("method", ["pld", "early-exit"])
+def test_assisted_serial_calls_are_full_depth_base_forwards(loaded, method):
+    """pld / early-exit statistics (from transformers' candidate generator) agree with a forward hook on the base."""
+    model, tokenizer = loaded
+    base = model.base_lm
+    full = base.config.num_hidden_layers
+    depths = []
+    hook = base.register_forward_pre_hook(lambda module, args: depths.append(base.model.config.num_hidden_layers))
+    try:
+        inputs = encode_messages(tokenizer, [{"role": "user", "content": "Count: one two three one two three"}])
+        out, stats = default_decoders()[method](model, inputs, 16)
+    finally:
+        hook.remove()
+    assert stats.serial_calls == depths.count(full) and stats.serial_calls >= 1
+    assert stats.new_tokens == out.shape[1] - inputs["input_ids"].shape[1] == 16
+    assert stats.new_tokens == stats.serial_calls + sum(stats.accepted_lengths)
+    assert (full - 1 in depths) == (method == "early-exit")  # early exit drafts with the first layer
+    assert stats.draft_seconds > 0 and len(stats.draft_tokens) == stats.serial_calls
+    assert "_get_candidate_generator" not in base.__dict__  # the instrumentation is removed afterwards

@@ -1,0 +1,166 @@
+"""Training: data rendering/masking, `accelerate launch training/train_heads.py` smoke, kill-and-resume, LoRA mode."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import hf_bpd
+from hf_bpd.data import conversation_messages, tokenize_conversation
+from hf_bpd.training import build_examples
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return hf_bpd.load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_base(tmp_path_factory, tokenizer):
+    """A tiny random Llama with SmolLM2's tokenizer, saved like any HF model directory."""
+    path = tmp_path_factory.mktemp("tiny-chat-base")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    words = ["alpha", "beta", "gamma", "delta"]
+    with path.open("w") as f:
+        for i in range(48):
+            answer = " ".join(words[(i + j) % 4] for j in range(24))
+            f.write(json.dumps({"conversations": [{"from": "human", "value": f"Count {i}"},
+                                                  {"from": "gpt", "value": answer}]}) + "\n")
+        f.write(json.dumps({"conversations": []}) + "\n")  # malformed: skipped and counted
+        f.write(json.dumps({"instruction": "Say hi", "output": "hi there"}) + "\n")  # Alpaca record
+    return path
+
+
+def test_assistant_only_mask_on_a_hand_written_example(tokenizer):
+    messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."},
+                {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "It is 6."}]
+    example = tokenize_conversation(tokenizer, messages)
+    trained = [t for t, label in zip(example["input_ids"], example["labels"]) if label != -100]
+    assert [t for t, label in zip(example["input_ids"], example["labels"]) if label != -100] == \
+        [label for label in example["labels"] if label != -100]
+    text = tokenizer.decode(trained)
+    assert text.count("It is 4.") == 1 and text.count("It is 6.") == 1
+    assert "What is 2+2?" not in text and "And 3+3?" not in text and "user" not in text
+    assert text.count("<|im_end|>") == 2  # the assistant learns to end its turn
+
+
+def test_sharegpt_and_alpaca_records_render(tokenizer):
+    sharegpt = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}
+    alpaca = {"instruction": "Add", "input": "1 and 2", "output": "3"}
+    gsm8k = {"question": "2+2?", "answer": "2+2=<<2+2=4>>4\n#### 4"}
+    assert conversation_messages(sharegpt)[1] == {"role": "assistant", "content": "Hello!"}
+    assert conversation_messages(alpaca)[0]["content"] == "Add\n\n1 and 2"
+    assert conversation_messages(gsm8k)[1]["content"] == "2+2=4\nThe answer is 4"
+    examples, skipped = build_examples(tokenizer, [sharegpt, alpaca, {"conversations": []}, {"foo": 1},
+                                                   {"conversations": [{"from": "human", "value": "only"}]}])
+    assert len(examples) == 2 and skipped == 3
+
+
+def run_train(*args, accelerate=True, check=True, **popen):
+    launcher = ([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+                 "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu"] if accelerate else [sys.executable])
+    cmd = launcher + [str(ROOT / "training" / "train_heads.py"), *map(str, args)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    if popen:
+        return subprocess.Popen(cmd, env=env, **popen)
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def losses(out_dir):
+    """Loss per step (the last entry wins when a resumed run repeats a step)."""
+    entries = {}
+    for line in (Path(out_dir) / "train_log.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        entries[entry["step"]] = entry["loss"]
+    return entries
+
+
+COMMON = ["--num-heads", "2", "--draft-vocab-size", "64", "--batch-size", "4", "--lr", "3e-2", "--threads", "1",
+          "--eval-fraction", "0.1", "--log-steps", "5"]
+
+
+def test_accelerate_launch_smoke_loss_goes_down(tmp_path, tiny_chat_base, tiny_data):
+    out = tmp_path / "heads"
+    result = run_train("--model", tiny_chat_base, "--data", tiny_data, "--max-steps", "30", "--epochs", "3",
+                       "--save-steps", "10", "--output-dir", out, *COMMON)
+    assert "1 records skipped" in result.stdout + result.stderr
+    log = losses(out)
+    assert len(log) == 30
+    assert sum(list(log.values())[-5:]) / 5 < 0.85 * sum(list(log.values())[:5]) / 5
+    model = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(out)
+    assert model.config.num_heads == 2 and len(model.config.draft_vocab) == 64
+    card = (out / "README.md").read_text()
+    assert "## Training" in card and "top-1" in card
+    training = json.loads((out / "training.json").read_text())
+    assert training["steps"] == 30 and len(training["eval_head_accuracy"]) == 2
+
+
+def test_kill_and_resume_loses_no_step(tmp_path, tiny_chat_base, tiny_data):
+    args = ["--model", tiny_chat_base, "--data", tiny_data, "--max-steps", "60", "--epochs", "5",
+            "--save-steps", "4", *COMMON]
+    run_train(*args, "--output-dir", tmp_path / "straight", accelerate=False)
+    reference = losses(tmp_path / "straight")
+
+    out = tmp_path / "killed"
+    proc = run_train(*args, "--output-dir", out, accelerate=False, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)
+    state = out / "state" / "trainer_state.json"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (state.exists() and json.loads(state.read_text())["step"] >= 8):
+        time.sleep(0.05)
+        if proc.poll() is not None:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    saved = json.loads(state.read_text())["step"]
+    assert 8 <= saved < 60, "the run was not interrupted mid-way"
+    result = run_train(*args, "--output-dir", out, "--resume", accelerate=False)
+    assert f"resumed from step {saved}" in result.stdout
+    resumed = losses(out)
+    assert sorted(resumed) == list(range(1, 61))
+    for step in range(saved + 1, 61):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
+
+
+def test_lora_base_mode_changes_only_lora_and_heads(tmp_path, tiny_chat_base, tiny_data, tokenizer):
+    out = tmp_path / "lora"
+    run_train("--model", tiny_chat_base, "--data", tiny_data, "--max-steps", "6", "--lora-base", "q_proj,v_proj",
+              "--lr", "1e-4", "--output-dir", out, "--num-heads", "2", "--batch-size", "4", "--threads", "1",
+              "--base-loss-weight", "1.0", "--kl-weight", "1.0", accelerate=False)
+    assert (out / "base_adapter" / "adapter_model.safetensors").exists()
+    base = AutoModelForCausalLM.from_pretrained(tiny_chat_base).eval()
+    loaded = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(out)
+    assert loaded.config.base_adapter == "base_adapter"
+    original, adapted = base.state_dict(), loaded.base_lm.state_dict()
+    changed = {k for k in original if not torch.equal(original[k], adapted[k])}
+    assert changed and all(("q_proj" in k or "v_proj" in k) for k in changed)
+    # a short run at a small learning rate with the base loss and KL kept: the greedy output does not drift
+    prompts = ["Count 3", "Count 7", "Say hi"]
+    for prompt in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        expected = base.generate(ids, max_new_tokens=8, do_sample=False)
+        assert torch.equal(loaded.base_lm.generate(ids, max_new_tokens=8, do_sample=False), expected)
