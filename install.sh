@@ -35,8 +35,9 @@ if [ ! -x "$KENLM_DIR/build/bin/lmplz" ] || [ ! -x "$KENLM_DIR/build/bin/build_b
     if [ ! -f "$KENLM_DIR/src/CMakeLists.txt" ]; then
         KENLM_VERSION=$($PY -c 'import importlib.metadata as m; print(m.version("kenlm"))')
         sdist=$(mktemp -d)
-        # --no-binary kenlm (not :all:, which would also compile kenlm's build requirement cmake from source).
-        $PY -m pip download -q --no-deps --no-build-isolation --no-binary kenlm "kenlm==$KENLM_VERSION" -d "$sdist"
+        # --no-binary kenlm, not :all: (that would also compile kenlm's build requirement cmake from source).
+        $PY -m pip download -q --no-deps --no-build-isolation --no-binary kenlm "kenlm==$KENLM_VERSION" -d "$sdist" ||
+            $PY -m pip download -q --no-deps --no-binary kenlm "kenlm==$KENLM_VERSION" -d "$sdist"
         mkdir -p "$KENLM_DIR/src"
         tar xzf "$sdist"/kenlm-*.tar.gz -C "$KENLM_DIR/src" --strip-components=1
         rm -rf "$sdist"

@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.10",
     packages=["hf_bpd", "hf_bpd.model_cards"],
     package_dir={"hf_bpd": "hf_bpd", "hf_bpd.model_cards": "model_cards"},
-    package_data={"hf_bpd.model_cards": ["*.md"]},
+    package_data={"hf_bpd.model_cards": ["*.md"], "hf_bpd": ["csrc/*.cpp"]},  # csrc: the n-gram rescorer
     install_requires=[
         "torch==2.13.0",
         "transformers>=5.23,<6",

@@ -286,12 +286,18 @@ def cmd_tune_alpha(args) -> int:
 
 
 def cmd_train(args, rest: list[str] | None = None) -> int:
-    import subprocess
+    """Run training/train_heads.py in this process (its options follow `train`)."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "training" / "train_heads.py").exists():
+        raise FileNotFoundError("training/train_heads.py not found: run hf-bpd train from a clone of the repository")
+    sys.path.insert(0, str(root))
+    from training.train_heads import main as train_main
 
-    script = Path(__file__).resolve().parents[1] / "training" / "train_heads.py"
-    if not script.exists():
-        raise FileNotFoundError(f"{script} not found: run hf-bpd train from a clone of the hf_bpd repository")
-    return subprocess.call([sys.executable, str(script), *(rest or [])])
+    try:
+        train_main(rest or [], prog="hf-bpd train")
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 2)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -50,6 +50,19 @@ def _sections(directory: Path) -> str:
             acc = "\n".join(f"| {a['head']} | {a['top1']:.3f} | {a['top5']:.3f} | {a['positions']} |" for a in accuracy)
             parts.append("Per-head accuracy on the held-out split (head h predicts token t+1+h):\n\n"
                          f"| head | top-1 | top-5 | positions |\n| --- | --- | --- | --- |\n{acc}\n")
+    tuning = directory / "tuning.json"
+    if tuning.exists():
+        info = json.loads(tuning.read_text())
+        rows = [(k, v) for k, v in info.items() if isinstance(v, dict) and "block_efficiency" in v]
+        if rows:
+            grid = list(rows[0][1]["block_efficiency"])
+            head = "| rescorer | vanilla BPD | " + " | ".join(f"α={a}" for a in grid) + " |"
+            lines = [head, "| --- " * (len(grid) + 2) + "|"]
+            lines += [f"| {k} | {v['vanilla']:.3f} | " + " | ".join(f"{v['block_efficiency'][a]:.3f}" for a in grid)
+                      + " |" for k, v in rows]
+            parts.append(f"## Rescorer tuning\n\nBlock efficiency on {info.get('prompts')} held-out prompts "
+                         f"({info.get('max_new_tokens')} new tokens, greedy, top-{info.get('top_k', 16)} lattice); "
+                         f"bundled: `{info.get('chosen')}`.\n\n" + "\n".join(lines) + "\n")
     results = directory / "results.md"
     if results.exists():
         parts.append("## Results\n\n" + results.read_text())

@@ -279,6 +279,9 @@ class NgramRescorer(Rescorer):
             _library.bpd_ngram_free(self._handle)
             self._handle = None
 
+    def __reduce__(self):  # pickles as its arguments: the KenLM model is loaded again
+        return NgramRescorer, (self.path, self.alpha, self.order, self.entropy_adaptive, self.backend)
+
     def __repr__(self) -> str:
         return (f"NgramRescorer({str(self.path)!r}, alpha={self.alpha}, order={self.order}, "
                 f"entropy_adaptive={self.entropy_adaptive}, backend={self.backend!r})")
@@ -298,8 +301,10 @@ class NgramRescorer(Rescorer):
         """The `num_drafts` best paths of `lattice` `(num_heads, k)` after `context`, best first (see the class)."""
         if isinstance(num_drafts, bool) or not isinstance(num_drafts, int) or num_drafts < 1:
             raise BPDConfigError(f"num_drafts must be an integer >= 1, got {num_drafts!r}")
-        if lattice.num_heads == 0:
+        h, k = lattice.tokens.shape
+        if h == 0 or k == 0:
             return []
+        num_drafts = min(num_drafts, k**h)  # no more paths than the lattice has
         keep = self.order - 1
         history = [int(t) for t in context[max(len(context) - keep, 0):]]
         weights = self.head_weights(lattice)

@@ -5,6 +5,7 @@ import gzip
 import itertools
 import json
 import random
+import subprocess
 
 import datasets
 import kenlm
@@ -44,9 +45,19 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    if ngram.load_fast_path() is None:
-        pytest.fail("the compiled n-gram rescorer is not built: run `bash install.sh`")
+def model_kinds(tmp_path_factory, models):
+    """The order-4 model as each kind of KenLM file the compiled path dispatches on."""
+    root = tmp_path_factory.mktemp("kinds")
+    corpus = markov_corpus(root / "ids.txt")
+    kinds = {"trie": models[4]}
+    kinds["probing"] = ngram.build_ngram_from_ids(corpus, root / "probing.bin", 4, memory="50M",
+                                                  discount_fallback=True, binary_type="probing")
+    kinds["quantized"] = ngram.build_ngram_from_ids(corpus, root / "quantized.bin", 4, memory="50M",
+                                                    discount_fallback=True, quantize=8)
+    subprocess.run([ngram.kenlm_binary("lmplz"), "-o", "4", "-S", "50M", "--discount_fallback", "--text", corpus,
+                    "--arpa", root / "model.arpa"], check=True, capture_output=True)
+    kinds["arpa"] = root / "model.arpa"
+    return kinds
 
 
 def rescorer(path, backend, **kwargs):
@@ -108,16 +119,18 @@ def test_pbest_equals_brute_force(models, backend):
         assert [d.score for d in drafts] == pytest.approx([s for _, s in expected], abs=1e-9)
 
 
-def test_compiled_equals_python_on_large_lattices(models, compiled):
+@pytest.mark.parametrize("kind", ["trie", "probing", "quantized", "arpa"])
+def test_compiled_equals_python_on_large_lattices(model_kinds, kind):
     rng = random.Random(2)
-    for trial in range(12):
-        order = 2 + trial % 3
+    fast = rescorer(model_kinds[kind], "compiled")
+    slow = rescorer(model_kinds[kind], "python")
+    for trial in range(8):
         lattice = random_lattice(rng, 8, 8, unseen=8)
         context = [rng.randrange(V) for _ in range(5)]
-        kwargs = dict(alpha=rng.choice([0.5, 1.0, 3.0]), entropy_adaptive=trial % 2 == 1)
-        fast = rescorer(models[order], "compiled", **kwargs).rescore(lattice, context, 16)
-        slow = rescorer(models[order], "python", **kwargs).rescore(lattice, context, 16)
-        assert len(fast) == 16 and fast == slow  # same tokens, bit-identical scores
+        fast.alpha = slow.alpha = rng.choice([0.5, 1.0, 3.0])
+        fast.entropy_adaptive = slow.entropy_adaptive = trial % 2 == 1
+        drafts = fast.rescore(lattice, context, 16)
+        assert len(drafts) == 16 and drafts == slow.rescore(lattice, context, 16)  # bit-identical scores
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

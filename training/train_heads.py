@@ -32,8 +32,8 @@ from hf_bpd.training import (HeadsOnHiddenStates, build_examples, cache_hidden_s
                              choose_draft_vocab, collate_cached, head_accuracy)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="base model (alias, directory, Hub id)")
     p.add_argument("--init-from", help="continue training the heads of this BPD checkpoint")
     p.add_argument("--data", nargs="+", required=True, help="ShareGPT/Alpaca JSON or JSONL files")
@@ -71,20 +71,22 @@ def parse_args(argv=None):
 
 
 class EpochBatches(Sampler):
-    """Deterministic shuffled batches: the order of epoch e depends only on (seed, e), so a resumed run sees exactly
-    the batches the killed run would have seen."""
+    """Deterministic shuffled batches of one epoch: the order of epoch e depends only on (seed, e), so a resumed run
+    sees exactly the batches the killed run would have seen. `set_epoch(e)` selects the epoch."""
 
-    def __init__(self, n: int, batch_size: int, seed: int, epochs: int):
-        self.n, self.batch_size, self.seed, self.epochs = n, batch_size, seed, epochs
+    def __init__(self, n: int, batch_size: int, seed: int):
+        self.n, self.batch_size, self.seed, self.epoch = n, batch_size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __iter__(self):
-        for epoch in range(self.epochs):
-            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
-            for i in range(0, self.n, self.batch_size):
-                yield order[i: i + self.batch_size]
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        for i in range(0, self.n, self.batch_size):
+            yield order[i: i + self.batch_size]
 
     def __len__(self):
-        return self.epochs * math.ceil(self.n / self.batch_size)
+        return math.ceil(self.n / self.batch_size)
 
 
 def load_records(files):
@@ -108,8 +110,8 @@ def collate_tokens(pad_id):
     return collate
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def main(argv=None, prog=None):
+    args = parse_args(argv, prog)
     if args.threads:
         torch.set_num_threads(args.threads)
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum)
@@ -161,10 +163,10 @@ def main(argv=None):
         trainable = HeadsOnHiddenStates(model)
         collate = collate_cached
 
-    epochs = max(1, math.ceil(args.epochs))
-    sampler = EpochBatches(len(dataset), args.batch_size, args.seed, epochs)
+    sampler = EpochBatches(len(dataset), args.batch_size, args.seed)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
-    total_steps = args.max_steps or int(len(loader) * args.epochs / args.grad_accum)
+    per_epoch = len(loader)
+    total_steps = args.max_steps or int(per_epoch * args.epochs / args.grad_accum)
     params = [p for p in trainable.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1))
@@ -176,11 +178,20 @@ def main(argv=None):
         accelerator.load_state(str(state_dir))
         step = json.loads((state_dir / "trainer_state.json").read_text())["step"]
         log(f"resumed from step {step}")
-    batches = accelerator.skip_first_batches(loader, step * args.grad_accum) if step else loader
+    def batches():
+        """Every batch from step `step` on, epoch after epoch (each epoch re-shuffled deterministically)."""
+        done = step * args.grad_accum
+        epoch = done // per_epoch
+        while True:
+            sampler.set_epoch(epoch)
+            skip = done - epoch * per_epoch
+            yield from (accelerator.skip_first_batches(loader, skip) if skip else loader)
+            epoch += 1
+            done = epoch * per_epoch
 
     trainable.train()
     history = []
-    for batch in batches:
+    for batch in batches():
         if step >= total_steps:
             break
         with accelerator.accumulate(trainable):

@@ -45,6 +45,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def train_step(lm, batch, optimizer, accelerator) -> float:
+    loss = lm(**batch).loss
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(loss.detach())
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.threads:
@@ -58,25 +66,24 @@ def main(argv=None):
     lm = get_peft_model(truncated_base(base, args.num_layers),
                         LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules="all-linear"))
     del base
-    loader = DataLoader(examples, batch_sampler=EpochBatches(len(examples), args.batch_size, args.seed,
-                                                            max(1, math.ceil(args.max_steps * args.batch_size
-                                                                             / max(len(examples), 1)))),
-                        collate_fn=collate_tokens(tokenizer.pad_token_id or 0))
+    sampler = EpochBatches(len(examples), args.batch_size, args.seed)
+    loader = DataLoader(examples, batch_sampler=sampler, collate_fn=collate_tokens(tokenizer.pad_token_id or 0))
     optimizer = torch.optim.AdamW([p for p in lm.parameters() if p.requires_grad], lr=args.lr)
     lm, optimizer, loader = accelerator.prepare(lm, optimizer, loader)
     lm.train()
     first = last = None
-    for step, batch in enumerate(loader, start=1):
-        if step > args.max_steps:
-            break
-        loss = lm(**batch).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        first = float(loss) if first is None else first
-        last = float(loss)
-        if step % 20 == 0 or step == 1:
-            accelerator.print(f"step {step}/{args.max_steps} loss {last:.4f}", flush=True)
+    step = 0
+    for epoch in range(math.ceil(args.max_steps / max(len(loader), 1))):
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            step += 1
+            if step > args.max_steps:
+                break
+            loss = train_step(lm, batch, optimizer, accelerator)
+            first = loss if first is None else first
+            last = loss
+            if step % 20 == 0 or step == 1:
+                accelerator.print(f"step {step}/{args.max_steps} loss {last:.4f}", flush=True)
     if accelerator.is_main_process:
         out = Path(args.output_dir)
         accelerator.unwrap_model(lm).save_pretrained(out)

@@ -107,6 +107,7 @@ struct Walk {
   bool more;             // the walk used every context word and may go on with a longer context
   bool known;
   int32_t slot;          // bucket of `out` among the next head's states, -1 until inserted
+  uint64_t extend_left;  // KenLM's pointer to the matched n-gram (when `more`)
   State out;             // KenLM's state after the word
 };
 
@@ -169,16 +170,16 @@ class Search {
       for (size_t s = 0; s < n_states; ++s) {
         if (states[s].length >= m) group_[m][s] = suffixes_.Find(states[s], m, added);
       }
-      walks_[m].assign(suffixes_.Size() * k_, Walk{0.f, 0, false, false, -1, State()});
+      walks_[m].assign(suffixes_.Size() * k_, Walk{0.f, 0, false, false, -1, 0, State()});
     }
-    walks_[0].assign(k_, Walk{0.f, 0, false, false, -1, State()});
+    walks_[0].assign(k_, Walk{0.f, 0, false, false, -1, 0, State()});
     State null_state;
     model_.NullContextWrite(&null_state);
     for (int r = 0; r < k_; ++r) {
       const WordIndex word = ids_(tokens_[i * k_ + r]);
       Walk &w = walks_[0][r];
       const lm::FullScoreReturn ret = model_.FullScore(null_state, word, w.out);
-      w = Walk{ret.prob, 1, !ret.independent_left && 1 < model_.Order(), true, -1, w.out};
+      w = Walk{ret.prob, 1, !ret.independent_left && 1 < model_.Order(), true, -1, ret.extend_left, w.out};
     }
 
     next_states_.Clear(n_states * 2);
@@ -224,15 +225,23 @@ class Search {
 
   // The walk over m context words, from the walk over m - 1 that matched all of them.
   void Extend(const State &state, unsigned char m, WordIndex word, const Walk &shorter, Walk &w) {
-    State context = state;
-    context.length = m;
-    const lm::FullScoreReturn ret = model_.FullScore(context, word, w.out);
-    if (ret.ngram_length == m + 1) {  // matched: no backoff was added to ret.prob
-      w = Walk{ret.prob, ret.ngram_length, !ret.independent_left && m + 1 < model_.Order(), true, -1, w.out};
-    } else {  // the m-th word did not match: longer contexts end the same way as the shorter one
+    // One lookup tells whether the m-th context word matches (ExtendLeft resumes the shorter walk; its
+    // probability is relative, so a match is scored again in full below).
+    const float no_backoff[KENLM_MAX_ORDER] = {0.f};
+    float backoff_out[KENLM_MAX_ORDER];
+    unsigned char next_use;
+    const lm::FullScoreReturn probe = model_.ExtendLeft(state.words + m - 1, state.words + m, no_backoff,
+                                                        shorter.extend_left, m, backoff_out, next_use);
+    if (probe.ngram_length != m + 1) {  // no match: longer contexts end the same way as the shorter one
       w = shorter;  // (its out state, hence its bucket, too)
       w.more = false;
+      return;
     }
+    State context = state;
+    context.length = m;
+    const lm::FullScoreReturn ret = model_.FullScore(context, word, w.out);  // matched: no backoff is added
+    w = Walk{ret.prob, ret.ngram_length, !ret.independent_left && m + 1 < model_.Order(), true, -1,
+             ret.extend_left, w.out};
   }
 
   // Adds the paths of one state extended by one token (term) to a bucket that keeps the p best.

@@ -1,0 +1,82 @@
+"""Pick and tune the rescorers a checkpoint bundles: α per rescorer on held-out prompts, best n-gram by block efficiency.
+
+    python training/tune_rescorers.py --checkpoint checkpoints/my-heads --questions benchmarks/tune_prompts.jsonl \
+        --ngram data/wiki_4gram.bin data/answers_4gram.bin --neural /tmp/neural_rescorer --neural-layers 2 --bundle
+
+Block efficiency for every α of the paper's grid comes from one greedy reference decode per prompt
+(`hf_bpd.tune_alpha`); the n-gram candidate with the best tuned block efficiency is bundled (with `--bundle`),
+the neural rescorer too, each with its α; entropy-adaptive α is reported for the chosen n-gram. Results go to
+`<checkpoint>/tuning.json`.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hf_bpd  # noqa: E402
+from hf_bpd.bench import encode_messages, load_questions  # noqa: E402
+from hf_bpd.neural import load_bundled_neural  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--questions", required=True)
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--ngram", nargs="*", default=[], help="candidate KenLM binaries")
+    p.add_argument("--neural", default=None, help="neural rescorer adapter dir (base_prefix type)")
+    p.add_argument("--neural-layers", type=int, default=2)
+    p.add_argument("--top-k", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--bundle", action="store_true", help="bundle the chosen rescorers into the checkpoint")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    model = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.checkpoint)
+    tokenizer = hf_bpd.load_tokenizer(args.checkpoint)
+    questions = load_questions(args.questions)[: args.limit]
+    prompts = [encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}])["input_ids"]
+               for q in questions]
+    report, references = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "ngram": {}}, None
+
+    def tune(name, rescorer):
+        nonlocal references
+        result = hf_bpd.tune_alpha(model, rescorer, prompts, args.max_new_tokens, top_k=args.top_k,
+                                   references=references)
+        references = result["references"]
+        row = {"alpha": result["alpha"], "best": result["block_efficiency"][result["alpha"]],
+               "vanilla": result["vanilla"], "block_efficiency": result["block_efficiency"]}
+        print(f"{name}: vanilla {row['vanilla']:.3f}, best α {row['alpha']:g} -> {row['best']:.3f}  "
+              f"{ {a: round(b, 3) for a, b in row['block_efficiency'].items()} }", flush=True)
+        return row
+
+    for path in args.ngram:
+        report["ngram"][path] = tune(Path(path).name, hf_bpd.NgramRescorer(path, order=4))
+    chosen = max(report["ngram"], key=lambda k: report["ngram"][k]["best"]) if report["ngram"] else None
+    if chosen:
+        adaptive = hf_bpd.NgramRescorer(chosen, order=4, entropy_adaptive=True)
+        report["ngram_entropy_adaptive"] = tune(Path(chosen).name + " (entropy-adaptive)", adaptive)
+        report["ngram_chosen"] = chosen
+    if args.neural:
+        spec = {"type": "base_prefix", "num_layers": args.neural_layers, "path": Path(args.neural).name}
+        report["neural"] = tune("neural", load_bundled_neural(model.base_lm, Path(args.neural).parent, spec))
+
+    if args.bundle:
+        if chosen:
+            model.bundle_rescorer("ngram", chosen, alpha=report["ngram"][chosen]["alpha"], order=4)
+        if args.neural:
+            model.bundle_rescorer("neural", args.neural, alpha=report["neural"]["alpha"], type="base_prefix",
+                                  num_layers=args.neural_layers)
+        (Path(args.checkpoint) / "tuning.json").write_text(json.dumps(report, indent=2))
+        model.save_pretrained(args.checkpoint)
+        print(f"bundled into {args.checkpoint}")
+    print(json.dumps({k: v for k, v in report.items() if k != "ngram"}, indent=1)[:2000])
+
+
+if __name__ == "__main__":
+    main()
