@@ -72,12 +72,12 @@ def parse_args(argv=None, prog=None):
 
 class EpochBatches(Sampler):
     """Deterministic shuffled batches of one epoch: the order of epoch e depends only on (seed, e), so a resumed run
-    sees exactly the batches the killed run would have seen. `set_epoch(e)` selects the epoch."""
+    sees exactly the batches the killed run would have seen. `use_epoch(e)` selects the epoch."""
 
     def __init__(self, n: int, batch_size: int, seed: int):
         self.n, self.batch_size, self.seed, self.epoch = n, batch_size, seed, 0
 
-    def set_epoch(self, epoch: int) -> None:
+    def use_epoch(self, epoch: int) -> None:  # not `set_epoch`: accelerate would reset it per iterator
         self.epoch = epoch
 
     def __iter__(self):
@@ -183,7 +183,7 @@ def main(argv=None, prog=None):
         done = step * args.grad_accum
         epoch = done // per_epoch
         while True:
-            sampler.set_epoch(epoch)
+            sampler.use_epoch(epoch)
             skip = done - epoch * per_epoch
             yield from (accelerator.skip_first_batches(loader, skip) if skip else loader)
             epoch += 1

@@ -74,7 +74,7 @@ def main(argv=None):
     first = last = None
     step = 0
     for epoch in range(math.ceil(args.max_steps / max(len(loader), 1))):
-        sampler.set_epoch(epoch)
+        sampler.use_epoch(epoch)
         for batch in loader:
             step += 1
             if step > args.max_steps:
