@@ -49,41 +49,100 @@ def _encode(tokenizer, prompt: str, chat: bool):
     return tokenizer(prompt, return_tensors="pt")
 
 
+def _draft_options(args) -> dict:
+    """`generate()` keyword arguments for the drafting options of `hf-bpd generate` (unset: the checkpoint's)."""
+    options = {}
+    if args.rescorer is not None:
+        from .rescoring import HeadScoreRescorer
+
+        options["rescorer"] = HeadScoreRescorer() if args.rescorer == "none" else args.rescorer
+    for name in ("num_drafts", "draft_top_k", "num_heads_to_use"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    if args.tree:
+        from .tree import sparse_tree
+
+        options["tree"] = sparse_tree(tuple(_int_list(args.tree, "--tree")))
+    return options
+
+
+def _method_label(model, options: dict) -> str:
+    config = model.config
+    rescorer = options.get("rescorer", config.rescorer)
+    name = f" + {rescorer}" if isinstance(rescorer, str) else ""  # a bundled rescorer's name; else head scores
+    if options.get("tree") is not None:
+        return f"tree{name}"
+    drafts = options.get("num_drafts") or config.num_drafts
+    return f"bpd{name}" + (f", {drafts}-best" if drafts > 1 else "")
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
 def cmd_generate(args) -> int:
     import torch
     from transformers import TextStreamer
 
+    _positive(args, "max_new_tokens", "num_drafts", "draft_top_k", "num_heads_to_use", "threads")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model, tokenizer = load_for_generation(args.model, args.dtype)
+    has_heads = hasattr(model, "heads")
+    options = _draft_options(args) if has_heads else {}
+    if not has_heads and (args.rescorer or args.tree or args.num_drafts or args.draft_top_k or args.num_heads_to_use):
+        raise ValueError(f"{args.model} is a plain base model: drafting options need a heads checkpoint")
     inputs = _encode(tokenizer, args.prompt, args.chat)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
     if args.do_sample:
         kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if args.no_heads:
         kwargs["use_heads"] = False
+        options = {}
+    if has_heads and not args.no_heads:
+        model.decoding_plan(**options)  # bad drafting options fail here, in one line, before any decoding
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
+    prompt_length = inputs["input_ids"].shape[1]
+    if args.compare:  # warm-up (first-call costs: allocations, rescorer loading) is kept out of the timings
+        model.generate(**inputs, **{**kwargs, "max_new_tokens": 8}, **options)
 
-    start = time.perf_counter()
-    out = model.generate(**inputs, streamer=streamer, **kwargs)
-    seconds = time.perf_counter() - start
-    new_tokens = out.shape[1] - inputs["input_ids"].shape[1]
+    out, seconds = _timed(lambda: model.generate(**inputs, streamer=streamer, **kwargs, **options))
+    stats = getattr(model, "last_generation_stats", None) if has_heads and not args.no_heads else None
+    new_tokens = out.shape[1] - prompt_length
     if not args.stream:
-        print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+        print(tokenizer.decode(out[0, prompt_length:], skip_special_tokens=True))
     print("---")
-    stats = getattr(model, "last_generation_stats", None)
     print(f"new tokens: {new_tokens}  time: {seconds:.2f} s  speed: {new_tokens / seconds:.1f} tok/s")
     if stats is not None:
         print(f"block efficiency: {stats.block_efficiency:.2f} tokens per serial call "
               f"({stats.serial_calls} calls, mean accepted draft tokens {stats.mean_accepted:.2f})")
     if args.compare:
         base = getattr(model, "base_lm", model)
-        start = time.perf_counter()
-        ref = base.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
-        ref_seconds = time.perf_counter() - start
-        same = torch.equal(ref, out) if not args.do_sample else None
-        print(f"plain greedy: {(ref.shape[1] - inputs['input_ids'].shape[1]) / ref_seconds:.1f} tok/s  "
-              f"speed-up: {ref_seconds / seconds:.2f}x" + ("" if same is None else f"  identical output: {same}"))
+        ref, ref_seconds = _timed(lambda: base.generate(**inputs, **kwargs) if args.do_sample else
+                                  base.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False))
+        rows = [("plain greedy generate()" if not args.do_sample else "plain sampling generate()",
+                 ref.shape[1] - prompt_length, ref_seconds, 1.0, None)]
+        label = _method_label(model, options) if stats is not None else "this run"
+        if stats is not None and _method_label(model, options) != "bpd":
+            from .rescoring import HeadScoreRescorer
+
+            plain, plain_seconds = _timed(lambda: model.generate(**inputs, **kwargs, rescorer=HeadScoreRescorer(),
+                                                                 num_drafts=1))
+            rows.append(("bpd (heads' top-1 draft)", plain.shape[1] - prompt_length, plain_seconds,
+                         model.last_generation_stats.block_efficiency,
+                         None if args.do_sample else torch.equal(plain, ref)))
+        rows.append((f"{label} (above)", new_tokens, seconds, stats.block_efficiency if stats else 1.0,
+                     None if args.do_sample else torch.equal(out, ref)))
+        print(f"\n| method | tok/s | speed-up | block efficiency | identical to plain |")
+        print("| --- | --- | --- | --- | --- |")
+        ref_rate = rows[0][1] / rows[0][2]
+        for name, n, secs, be, same in rows:
+            ident = "-" if same is None else ("yes" if same else "NO")
+            print(f"| {name} | {n / secs:.1f} | {n / secs / ref_rate:.2f}x | {be:.2f} | {ident} |")
+        if not args.do_sample:
+            print(f"speed-up: {ref_seconds / seconds:.2f}x  identical output: {torch.equal(out, ref)}")
     return 0
 
 
@@ -319,8 +378,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     gen.add_argument("--no-heads", action="store_true", help="plain decoding with the base model")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
+    gen.add_argument("--rescorer", choices=["none", "ngram", "neural"], default=None,
+                     help="draft refinement: a rescorer bundled with the checkpoint, or none (the heads' scores); "
+                          "default: the checkpoint's")
+    gen.add_argument("--num-drafts", type=int, default=None, help="p: drafts verified together per step")
+    gen.add_argument("--draft-top-k", type=int, default=None, help="lattice width k (tokens per head)")
+    gen.add_argument("--tree", default=None, metavar="WIDTHS",
+                     help="Medusa-style sparse tree, top-k widths per head, e.g. 4,2,2,1")
+    gen.add_argument("--num-heads-to-use", type=int, default=None, help="draft with only the first N heads")
     gen.add_argument("--compare", action="store_true",
-                     help="also run the base's plain greedy generate() and report the speed-up")
+                     help="also run the base's plain generate() (and plain BPD) and print a side-by-side table")
     gen.set_defaults(func=cmd_generate)
 
     from .bench import METHODS

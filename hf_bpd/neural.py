@@ -5,8 +5,8 @@ the same choice (they differ by a constant per row). The base's own next token (
 rescored: it is not in the lattice.
 
 The rescorer keeps a KV cache across steps: each call crops it to the longest common prefix with the new context and
-feeds only the new tokens, then one token per draft position. Only the k lattice rows of its output embedding are
-multiplied (not the whole vocabulary).
+feeds only the new tokens, then one token per draft position. Only its backbone runs; the k lattice rows of its
+output embedding are multiplied with the last hidden state (never the whole vocabulary).
 """
 
 from __future__ import annotations
@@ -37,14 +37,12 @@ class NeuralRescorer(Rescorer):
             self.model = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=torch.float32)
         self.model.eval()
         self.alpha = float(alpha)
-        self._hidden = {}
-        self.model.get_output_embeddings().register_forward_pre_hook(self._keep_hidden)
+        # The backbone (everything before the output layer): each step needs only the k lattice rows of the output
+        # layer, so the full-vocabulary projection is never run.
+        self.backbone = self.model.base_model
         softcap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
         self.softcap = float(softcap) if softcap else None
         self.reset()
-
-    def _keep_hidden(self, _module, args):
-        self._hidden["last"] = args[0]
 
     @property
     def vocab_size(self) -> int:
@@ -65,9 +63,9 @@ class NeuralRescorer(Rescorer):
     def _advance(self, tokens: list[int]) -> torch.Tensor:
         """Feed `tokens` after the cached ones; return the hidden state at the last position `(hidden,)`."""
         ids = torch.tensor([tokens], device=self.model.device)
-        self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.backbone(input_ids=ids, past_key_values=self.cache, use_cache=True)
         self.cached.extend(tokens)
-        return self._hidden["last"][0, -1]
+        return out.last_hidden_state[0, -1]
 
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Make the cache hold exactly `context`, reusing the longest common prefix; return the hidden state after

@@ -97,6 +97,11 @@ BAD_ARGS = [
     (["analyze", "--model", "{base}", "--questions", "{questions}"], "plain base model"),
     (["analyze", "--model", "{heads}", "--questions", "{questions}", "--rescorer", "ngram"], "bundles no ngram"),
     (["generate", "--max-new-tokens"], "expected one argument"),
+    (["generate", "--model", "{heads}", "--num-drafts", "0"], "--num-drafts must be >= 1"),
+    (["generate", "--model", "{heads}", "--tree", "4,x"], "--tree must be comma-separated integers"),
+    (["generate", "--model", "{heads}", "--rescorer", "ngram"], "bundles no ngram"),
+    (["generate", "--model", "{heads}", "--draft-top-k", "100000"], "draft_top_k must be an integer in"),
+    (["generate", "--model", "{base}", "--num-drafts", "2"], "plain base model"),
 ]
 
 
@@ -105,7 +110,7 @@ BAD_ARGS = [
 def test_bad_paths_and_options_are_one_line_errors(argv, fragment, tiny, capsys):
     (tiny["root"] / "bad.jsonl").write_text("{oops\n")
     argv = [a.format(**tiny) for a in argv]
-    line = one_line_error(run_main(argv + (["--threads", "1"] if argv[:1] in (["bench"], ["analyze"]) and
+    line = one_line_error(run_main(argv + (["--threads", "1"] if argv[:1] in (["bench"], ["analyze"], ["generate"]) and
                                            "--bogus" not in argv and "many" not in argv else [])), capsys)
     assert fragment in line
 
@@ -115,6 +120,17 @@ def test_bad_questions_file_in_a_real_process(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"hf-bpd: error: no questions file at {tmp_path / 'missing.jsonl'}: pass a .jsonl/.json/.txt prompt file"]
+
+
+def test_generate_with_heads_prints_a_side_by_side_table(tiny, capsys):
+    code = run_main(["generate", "--model", tiny["heads"], "--prompt", "hello world", "--max-new-tokens", "12",
+                     "--num-drafts", "2", "--draft-top-k", "2", "--compare", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "| method | tok/s | speed-up | block efficiency | identical to plain |" in out
+    assert "| plain greedy generate() |" in out and "| bpd (heads' top-1 draft) |" in out
+    assert "| bpd, 2-best (above) |" in out
+    assert out.count("| yes |") == 2 and "| NO |" not in out and "identical output: True" in out
 
 
 # ------------------------------------------------------------------ bench and analyze end to end

@@ -164,3 +164,27 @@ def test_lora_base_mode_changes_only_lora_and_heads(tmp_path, tiny_chat_base, ti
                                             return_tensors="pt", return_dict=True)["input_ids"]
         expected = base.generate(ids, max_new_tokens=8, do_sample=False)
         assert torch.equal(loaded.base_lm.generate(ids, max_new_tokens=8, do_sample=False), expected)
+
+
+def test_self_distill_is_batched_resumable_and_deterministic(tmp_path, tiny_chat_base, tiny_data):
+    """Interrupting after 3 prompts and running again generates only the rest; the file equals one full run, and
+    prompts of an --exclude file are never distilled."""
+    from training.self_distill import main as self_distill
+
+    held_out = tmp_path / "dev.jsonl"
+    held_out.write_text(json.dumps({"question_id": "d", "category": "x", "turns": ["Count 4"]}) + "\n")
+    common = ["--model", str(tiny_chat_base), "--prompts", str(tiny_data), "--exclude", str(held_out),
+              "--max-new-tokens", "6", "--batch-size", "2", "--threads", "1"]
+    resumed, fresh = tmp_path / "resumed.jsonl", tmp_path / "fresh.jsonl"
+    assert self_distill(common + ["--output", str(resumed), "--limit", "3"]) == 0
+    first = resumed.read_text().splitlines()
+    assert len(first) == 3
+    assert self_distill(common + ["--output", str(resumed), "--limit", "7"]) == 0
+    assert self_distill(common + ["--output", str(fresh), "--limit", "7"]) == 0
+    lines = resumed.read_text().splitlines()
+    assert lines[:3] == first and len(lines) == 7
+    assert sorted(lines) == sorted(fresh.read_text().splitlines())  # batch composition does not change answers
+    rows = [json.loads(line) for line in lines]
+    assert len({r["id"] for r in rows}) == 7
+    assert all(r["conversations"][0]["from"] == "human" and r["conversations"][1]["from"] == "gpt" for r in rows)
+    assert "Count 4" not in {r["conversations"][0]["value"] for r in rows}

@@ -1,12 +1,12 @@
 """Mix instruction data into one ShareGPT JSONL for head training, holding out the dev prompts.
 
-    python training/prepare_sft_data.py --data ../shared/data --exclude benchmarks/dev_prompts.jsonl \
-        --per-source 1500 --output data/sft_mix.jsonl [--distilled data/distilled.jsonl]
+    python training/prepare_sft_data.py --data ../shared/data \
+        --exclude benchmarks/dev_prompts.jsonl benchmarks/tune_prompts.jsonl \
+        --per-source 320 --output data/sft_mix.jsonl [--distilled data/distilled.jsonl]
 """
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -14,23 +14,23 @@ from datasets import load_dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_bpd.data import conversation_messages, load_prompts, record_prompt  # noqa: E402
-from training.make_dev_split import SOURCES  # noqa: E402
+from training.make_dev_split import SOURCES, shuffled  # noqa: E402
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
-    p.add_argument("--exclude", default="benchmarks/dev_prompts.jsonl")
+    p.add_argument("--exclude", nargs="*", default=["benchmarks/dev_prompts.jsonl", "benchmarks/tune_prompts.jsonl"],
+                   help="prompt files held out of training (dev and tuning splits)")
     p.add_argument("--per-source", type=int, default=1500)
     p.add_argument("--distilled", nargs="*", default=[], help="self-distilled ShareGPT files to include whole")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="data/sft_mix.jsonl")
     args = p.parse_args(argv)
-    held_out = {r["prompt"] for r in load_prompts(args.exclude)}
+    held_out = {r["prompt"] for path in args.exclude for r in load_prompts(path)}
     rows, skipped = [], 0
     for category, name in SOURCES.items():
-        records = list(load_dataset("json", data_files=str(Path(args.data) / name), split="train"))
-        random.Random(args.seed).shuffle(records)
+        records = shuffled(load_dataset("json", data_files=str(Path(args.data) / name), split="train"), args.seed)
         kept = 0
         for record in records:
             if kept >= args.per_source:
@@ -47,7 +47,10 @@ def main(argv=None):
             kept += 1
     for path in args.distilled:
         with open(path) as f:
-            rows.extend({"source": "distilled", "conversations": json.loads(line)["conversations"]} for line in f)
+            for line in f:
+                conversations = json.loads(line)["conversations"]
+                if conversations[0]["value"] not in held_out:
+                    rows.append({"source": "distilled", "conversations": conversations})
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     with open(args.output, "w") as f:
         for row in rows:

@@ -22,6 +22,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_bpd import load_base  # noqa: E402
 from hf_bpd.data import load_prompts  # noqa: E402
+from training.make_dev_split import shuffled  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -57,9 +58,7 @@ def main(argv=None):
     held_out = {r["prompt"] for path in args.exclude for r in load_prompts(path)}
     sources = []
     for path in args.prompts:
-        records = [r for r in load_prompts(path) if r["prompt"] not in held_out]
-        random.Random(args.seed).shuffle(records)
-        sources.append(records)
+        sources.append(shuffled([r for r in load_prompts(path) if r["prompt"] not in held_out], args.seed))
     prompts = interleave(sources)[: args.limit]
 
     output = Path(args.output)

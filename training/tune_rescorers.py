@@ -42,40 +42,45 @@ def main(argv=None):
     questions = load_questions(args.questions)[: args.limit]
     prompts = [encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}])["input_ids"]
                for q in questions]
-    report, references = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "ngram": {}}, None
+    report = {"prompts": len(prompts), "prompt_file": args.questions, "max_new_tokens": args.max_new_tokens,
+              "top_k": args.top_k}
+    references = None
 
     def tune(name, rescorer):
+        """One row of the model card's tuning table: BE for every α of the grid, keyed by the rescorer's name."""
         nonlocal references
         result = hf_bpd.tune_alpha(model, rescorer, prompts, args.max_new_tokens, top_k=args.top_k,
                                    references=references)
         references = result["references"]
-        row = {"alpha": result["alpha"], "best": result["block_efficiency"][result["alpha"]],
-               "vanilla": result["vanilla"], "block_efficiency": result["block_efficiency"]}
+        row = {"vanilla": round(result["vanilla"], 3), "alpha": result["alpha"],
+               "best": round(result["block_efficiency"][result["alpha"]], 3),
+               "block_efficiency": {str(a): round(b, 3) for a, b in result["block_efficiency"].items()}}
         print(f"{name}: vanilla {row['vanilla']:.3f}, best α {row['alpha']:g} -> {row['best']:.3f}  "
-              f"{ {a: round(b, 3) for a, b in row['block_efficiency'].items()} }", flush=True)
+              f"{row['block_efficiency']}", flush=True)
+        report[name] = row
         return row
 
-    for path in args.ngram:
-        report["ngram"][path] = tune(Path(path).name, hf_bpd.NgramRescorer(path, order=4))
-    chosen = max(report["ngram"], key=lambda k: report["ngram"][k]["best"]) if report["ngram"] else None
+    ngram_rows = {path: tune(Path(path).name, hf_bpd.NgramRescorer(path, order=4)) for path in args.ngram}
+    chosen = max(ngram_rows, key=lambda k: ngram_rows[k]["best"]) if ngram_rows else None
     if chosen:
-        adaptive = hf_bpd.NgramRescorer(chosen, order=4, entropy_adaptive=True)
-        report["ngram_entropy_adaptive"] = tune(Path(chosen).name + " (entropy-adaptive)", adaptive)
-        report["ngram_chosen"] = chosen
+        report["chosen"] = Path(chosen).name
+        tune(f"{Path(chosen).name} entropy-adaptive", hf_bpd.NgramRescorer(chosen, order=4, entropy_adaptive=True))
+    neural_row = None
     if args.neural:
         spec = {"type": "base_prefix", "num_layers": args.neural_layers, "path": Path(args.neural).name}
-        report["neural"] = tune("neural", load_bundled_neural(model.base_lm, Path(args.neural).parent, spec))
+        neural_row = tune(f"neural ({args.neural_layers} base layers + LoRA)",
+                          load_bundled_neural(model.base_lm, Path(args.neural).parent, spec))
 
     if args.bundle:
         if chosen:
-            model.bundle_rescorer("ngram", chosen, alpha=report["ngram"][chosen]["alpha"], order=4)
-        if args.neural:
-            model.bundle_rescorer("neural", args.neural, alpha=report["neural"]["alpha"], type="base_prefix",
+            model.bundle_rescorer("ngram", chosen, alpha=ngram_rows[chosen]["alpha"], order=4)
+        if neural_row:
+            model.bundle_rescorer("neural", args.neural, alpha=neural_row["alpha"], type="base_prefix",
                                   num_layers=args.neural_layers)
         (Path(args.checkpoint) / "tuning.json").write_text(json.dumps(report, indent=2))
         model.save_pretrained(args.checkpoint)
         print(f"bundled into {args.checkpoint}")
-    print(json.dumps({k: v for k, v in report.items() if k != "ngram"}, indent=1)[:2000])
+    return 0
 
 
 if __name__ == "__main__":
