@@ -52,6 +52,7 @@ import torch
 
 from .drafting import GenerationStats
 from .errors import BPDConfigError
+from .rescoring import HeadScoreRescorer
 
 Decoder = Callable[..., tuple[torch.Tensor, GenerationStats | None]]
 
@@ -228,16 +229,19 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
     o = options or BenchOptions()
     k = {} if o.draft_top_k is None else {"draft_top_k": o.draft_top_k}
     p = functools.partial
+    heads = HeadScoreRescorer()
     return {
         "ar": decode_ar,
         "pld": p(decode_assisted, method="pld", prompt_lookup_num_tokens=o.pld_tokens),
         "early-exit": p(decode_early_exit, layer=o.early_exit_layer),
-        "bpd": decode_bpd,
-        "bpd+ngram": p(decode_bpd, rescorer="ngram", **k),
-        "bpd+neural": p(decode_bpd, rescorer="neural", **k),
-        "pbest": p(decode_bpd, num_drafts=o.num_drafts, **k),
+        # Explicit options: a checkpoint's own defaults (config.rescorer, num_drafts) must not change what a
+        # method name means.
+        "bpd": p(decode_bpd, rescorer=heads, num_drafts=1),
+        "bpd+ngram": p(decode_bpd, rescorer="ngram", num_drafts=1, **k),
+        "bpd+neural": p(decode_bpd, rescorer="neural", num_drafts=1, **k),
+        "pbest": p(decode_bpd, rescorer=heads, num_drafts=o.num_drafts, **k),
         "pbest-ngram": p(decode_bpd, rescorer="ngram", num_drafts=o.num_drafts, **k),
-        "tree": p(decode_bpd, tree_widths=o.tree_widths),
+        "tree": p(decode_bpd, rescorer=heads, tree_widths=o.tree_widths),
         "tree+ngram": p(decode_bpd, rescorer="ngram", tree_widths=o.tree_widths, tree_leaves_as_drafts=True, **k),
     }
 

@@ -30,6 +30,8 @@ def render_model_card(model, repo: str | None = None, extra: str = "") -> str:
         num_drafts=config.num_drafts,
         rescorer=config.rescorer,
         rescorer_alpha=config.rescorer_alpha,
+        bundled=", ".join(f"`{name}` ({spec['path']}, α={spec.get('alpha')})" for name, spec in
+                          sorted(config.rescorers.items())) or "none",
         repo=repo or "path/to/this/checkpoint",
         extra=extra,
     )

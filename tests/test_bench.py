@@ -258,3 +258,17 @@ def test_assisted_serial_calls_are_full_depth_base_forwards(loaded, method):
     assert (full - 1 in depths) == (method == "early-exit")  # early exit drafts with the first layer
     assert stats.draft_seconds > 0 and len(stats.draft_tokens) == stats.serial_calls
     assert "_get_candidate_generator" not in base.__dict__  # the instrumentation is removed afterwards
+
+
+def test_method_names_do_not_follow_the_checkpoints_own_defaults(checkpoint):
+    """A checkpoint whose config asks for 3 drafts by default: `bpd` still means one argmax chain draft."""
+    from hf_bpd.bench import default_decoders
+
+    _, heads_dir = checkpoint
+    model = BlockwiseParallelForCausalLM.from_pretrained(heads_dir)
+    model.config.num_drafts = 3
+    decoders = default_decoders()
+    inputs = {"input_ids": torch.tensor([[5, 6, 7, 8]])}
+    assert decoders["bpd"](model, inputs, 6)[1].method == "chain"
+    assert decoders["pbest"](model, inputs, 6)[1].method == "p-best"
+    assert decoders["tree"](model, inputs, 6)[1].method == "tree"

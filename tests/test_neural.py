@@ -71,7 +71,7 @@ def test_rescoring_fixes_a_repetition():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("num_drafts", [1, 4])
+@pytest.mark.parametrize("num_drafts", [1, 4, 16])
 def test_generate_with_neural_rescorer_is_exact(arch, num_drafts):
     model = random_bpd(arch, 4)
     rescorer = NeuralRescorer(tiny_base(arch, seed=9), alpha=0.75)

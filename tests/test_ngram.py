@@ -363,7 +363,7 @@ def bpd_and_ngram(tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("num_drafts", [1, 4])
+@pytest.mark.parametrize("num_drafts", [1, 4, 16])
 def test_generate_with_ngram_rescoring_equals_greedy(bpd_and_ngram, backend, num_drafts):
     model, path = bpd_and_ngram
     scorer = rescorer(path, backend, alpha=1.0)

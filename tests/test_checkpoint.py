@@ -1,0 +1,74 @@
+"""The shipped checkpoint `checkpoints/smollm2-135m-instruct-bpd`: loads offline the way the README does, and decodes
+token-identically to SmolLM2's own greedy `generate()` with every bundled rescorer and 1, 4 and 16 drafts."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_bpd
+from hf_bpd import BlockwiseParallelForCausalLM
+from hf_bpd.neural import NeuralRescorer
+from hf_bpd.ngram import NgramRescorer
+
+CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct-bpd"
+PROMPTS = [  # held-out style instructions (not in the training prompts)
+    "Write a Python function that checks whether a number is prime.",
+    "A farmer has 12 cows and buys 7 more. Each cow gives 3 litres of milk a day. How much milk does he get a day?",
+    "Give three reasons why people enjoy hiking.",
+    "Explain what an API is to a beginner.",
+]
+MAX_NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def shipped(smollm2):
+    model = BlockwiseParallelForCausalLM.from_pretrained(CHECKPOINT)  # finds its base through load_base
+    tokenizer = hf_bpd.load_tokenizer(str(CHECKPOINT))
+    inputs = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True) for p in PROMPTS]
+    with torch.no_grad():
+        expected = [model.base_lm.generate(**x, max_new_tokens=MAX_NEW_TOKENS, do_sample=False) for x in inputs]
+    return model, inputs, expected
+
+
+def test_shipped_checkpoint_bundles_what_the_readme_uses(shipped):
+    model, _, _ = shipped
+    assert model.config.num_heads >= 4
+    assert model.config.base_model_name_or_path == "smollm2-135m-instruct"
+    assert set(model.config.rescorers) == {"ngram", "neural"}
+    assert isinstance(model.bundled_rescorers["ngram"], NgramRescorer)
+    assert isinstance(model.bundled_rescorers["neural"], NeuralRescorer)
+    assert (CHECKPOINT / "README.md").read_text().count("Block efficiency") >= 1
+
+
+@pytest.mark.parametrize("rescorer", [None, "ngram", "neural"])
+@pytest.mark.parametrize("num_drafts", [1, 4, 16])
+def test_shipped_checkpoint_is_exact_with_each_rescorer(shipped, rescorer, num_drafts):
+    model, inputs, expected = shipped
+    served = 0
+    for x, want in zip(inputs, expected):
+        got = model.generate(**x, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, rescorer=rescorer,
+                             num_drafts=num_drafts)
+        assert torch.equal(got, want), (rescorer, num_drafts, x["input_ids"].shape)
+        served += sum(model.last_generation_stats.accepted_lengths)
+    assert served > 0  # trained heads get drafts accepted: the verifier's accept path is exercised
+
+
+def test_shipped_checkpoint_tree_with_ngram_is_exact(shipped):
+    model, inputs, expected = shipped
+    for x, want in zip(inputs, expected):
+        got = model.generate(**x, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, rescorer="ngram",
+                             tree=hf_bpd.sparse_tree((4, 3, 2, 1)))
+        assert torch.equal(got, want)
+
+
+def test_readme_main_job_prints_text_block_efficiency_and_speedup(shipped, capsys):
+    """`hf-bpd generate --model checkpoints/smollm2-135m-instruct-bpd --chat --compare`, shortened."""
+    from hf_bpd.cli import main
+
+    assert main(["generate", "--model", str(CHECKPOINT), "--chat", "--compare", "--max-new-tokens", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "block efficiency:" in out and "speed-up:" in out and "identical output: True" in out
+    assert "| plain greedy generate() |" in out and "| bpd (heads' top-1 draft) |" in out
+    assert "| bpd + ngram (above) |" in out and "| NO |" not in out
