@@ -35,7 +35,7 @@ METHODS = {
     "bpd+ngram": dict(rescorer="ngram", num_drafts=1),
     "bpd+neural": dict(rescorer="neural", num_drafts=1),
     "pbest-ngram": dict(rescorer="ngram", num_drafts=4),
-    "tree": dict(rescorer=HeadScoreRescorer(), tree=hf_bpd.sparse_tree((4, 2, 2, 1))),
+    "tree": dict(rescorer=HeadScoreRescorer(), tree=(4, 2, 2, 1)),  # widths, cut to the model's heads
 }
 # (part, predicate on a pstats key (file, line, function name)); earlier parts are nested inside later ones
 PARTS = [
@@ -54,6 +54,8 @@ def cumulative(stats: pstats.Stats, predicate) -> float:
 
 
 def profile_method(model, prompts, options, max_new_tokens):
+    if "tree" in options:
+        options = {**options, "tree": hf_bpd.sparse_tree(options["tree"][: model.config.num_heads])}
     # the model class's own forward (transformers wraps it in decorators whose shared wrapper code would also match
     # every decorated submodule)
     code = inspect.unwrap(type(model.base_lm).forward).__code__
@@ -74,8 +76,8 @@ def profile_method(model, prompts, options, max_new_tokens):
     block_efficiency = new / serial
     stats = pstats.Stats(profiler)
     total = cumulative(stats, lambda f, n: n == "generate" and f.endswith("modeling.py") and "hf_bpd" in f)
-    parts = {"verification forward": cumulative(
-        stats, lambda f, n: n == code.co_name and f == code.co_filename)}
+    key = (code.co_filename, code.co_firstlineno, code.co_name)
+    parts = {"verification forward": stats.stats[key][3] if key in stats.stats else 0.0}
     for name, predicate in PARTS:
         parts[name] = cumulative(stats, predicate)
     parts["loop overhead"] = max(0.0, total - sum(parts.values()))

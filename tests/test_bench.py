@@ -272,3 +272,25 @@ def test_method_names_do_not_follow_the_checkpoints_own_defaults(checkpoint):
     assert decoders["bpd"](model, inputs, 6)[1].method == "chain"
     assert decoders["pbest"](model, inputs, 6)[1].method == "p-best"
     assert decoders["tree"](model, inputs, 6)[1].method == "tree"
+
+
+def test_profile_script_smoke(checkpoint, tmp_path, capsys):
+    """benchmarks/profile_decoding.py on the tiny checkpoint: every part is a share of generate() time."""
+    import importlib.util
+
+    from tests.test_training import ROOT
+
+    spec = importlib.util.spec_from_file_location("profile_decoding", ROOT / "benchmarks" / "profile_decoding.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _, heads_dir = checkpoint
+    out = tmp_path / "profile.json"
+    assert module.main(["--model", str(heads_dir), "--questions", str(write_questions(tmp_path / "q.jsonl")),
+                        "--limit", "2", "--max-new-tokens", "6", "--methods", "bpd,tree", "--threads", "1",
+                        "--output", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert set(rows) == {"bpd", "tree"}
+    for row in rows.values():
+        assert 0.0 < row["share"]["verification forward"] < 1.0 and row["block_efficiency"] >= 1.0
+        assert abs(sum(row["share"].values()) - 1.0) < 1e-6
+    assert "| bpd |" in capsys.readouterr().out
