@@ -98,9 +98,8 @@ def cmd_generate(args) -> int:
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
     if args.do_sample:
         kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    if args.no_heads:
-        kwargs["use_heads"] = False
-        options = {}
+    if args.no_heads:  # plain decoding; a plain base model decodes plainly anyway
+        options = {"use_heads": False} if has_heads else {}
     if has_heads and not args.no_heads:
         model.decoding_plan(**options)  # bad drafting options fail here, in one line, before any decoding
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
@@ -120,8 +119,7 @@ def cmd_generate(args) -> int:
               f"({stats.serial_calls} calls, mean accepted draft tokens {stats.mean_accepted:.2f})")
     if args.compare:
         base = getattr(model, "base_lm", model)
-        ref, ref_seconds = _timed(lambda: base.generate(**inputs, **kwargs) if args.do_sample else
-                                  base.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False))
+        ref, ref_seconds = _timed(lambda: base.generate(**inputs, **kwargs))  # the same greedy/sampling settings
         rows = [("plain greedy generate()" if not args.do_sample else "plain sampling generate()",
                  ref.shape[1] - prompt_length, ref_seconds, 1.0, None)]
         label = _method_label(model, options) if stats is not None else "this run"

@@ -180,3 +180,13 @@ def test_analyze_command_writes_tables_json_and_plots(tiny, tmp_path, capsys):
     assert len(summary["entropy"]["mean"]) == 4 and 1 <= summary["entropy"]["h_max"] <= 4
     assert len(report["prompts"]) == 3 and report["settings"]["rescorer"] is None
     assert (tmp_path / "plots" / "entropy.png").exists() and (tmp_path / "plots" / "oracle_topk.png").exists()
+
+
+@pytest.mark.parametrize("model", ["heads", "base"])
+def test_generate_no_heads_with_sampling_compare(tiny, model, capsys):
+    """--no-heads decodes plainly on a heads checkpoint and on a plain base; --compare samples the base the same way."""
+    code = run_main(["generate", "--model", tiny[model], "--prompt", "hello world", "--max-new-tokens", "6",
+                     "--no-heads", "--do-sample", "--compare", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "| plain sampling generate() |" in out and "| this run (above) |" in out
