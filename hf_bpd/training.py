@@ -7,8 +7,12 @@ in the base (Medusa-2) the whole model runs every step (`BlockwiseParallelForCau
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
 from collections import Counter
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -150,3 +154,55 @@ def head_accuracy(trainer_module: HeadsOnHiddenStates, cached: list[dict], batch
         totals = stats if totals is None else [tuple(a + b for a, b in zip(x, y)) for x, y in zip(totals, stats)]
     return [{"head": i + 1, "positions": n, "top1": c1 / max(n, 1), "top5": c5 / max(n, 1)}
             for i, (n, c1, c5) in enumerate(totals or [])]
+
+
+# --- crash-safe `accelerator.save_state` checkpoints -------------------------------------------------------------
+# `accelerator.save_state` writes its files in place, so a kill during a save leaves a directory whose files are half
+# written next to the previous save's trainer_state.json. A save therefore goes to `<dir>.partial`; only when every
+# file and trainer_state.json (written last) are on disk is it swapped in for `<dir>` (the previous save is parked in
+# `<dir>.old` during the two renames). Resuming takes the newest complete one of the three.
+
+def _checkpoint_dirs(state_dir: Path) -> tuple[Path, Path, Path]:
+    return state_dir, state_dir.with_name(state_dir.name + ".partial"), state_dir.with_name(state_dir.name + ".old")
+
+
+def save_checkpoint(accelerator, state_dir, step: int) -> None:
+    """`accelerator.save_state` to `state_dir` such that a kill at any moment leaves a complete checkpoint."""
+    state_dir = Path(state_dir)
+    current, partial, old = _checkpoint_dirs(state_dir)
+    if accelerator.is_main_process and partial.exists():
+        shutil.rmtree(partial)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        _write_synced(partial / "trainer_state.json", json.dumps({"step": step}))
+        if current.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            current.rename(old)
+        partial.rename(current)
+        shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def latest_checkpoint(state_dir) -> tuple[Path, int] | None:
+    """The newest complete checkpoint saved by `save_checkpoint` (directory, step), or None."""
+    found = []
+    for directory in _checkpoint_dirs(Path(state_dir)):
+        marker = directory / "trainer_state.json"
+        try:
+            found.append((json.loads(marker.read_text())["step"], directory))
+        except (OSError, ValueError, KeyError):
+            continue
+    if not found:
+        return None
+    step, directory = max(found, key=lambda item: item[0])
+    return directory, step
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_bpd
 from hf_bpd.data import conversation_messages, tokenize_conversation
-from hf_bpd.training import build_examples
+from hf_bpd.training import build_examples, latest_checkpoint, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,30 +121,70 @@ def test_accelerate_launch_smoke_loss_goes_down(tmp_path, tiny_chat_base, tiny_d
 
 
 def test_kill_and_resume_loses_no_step(tmp_path, tiny_chat_base, tiny_data):
+    # a checkpoint every step, so the kills land inside saves as well as between them
     args = ["--model", tiny_chat_base, "--data", tiny_data, "--max-steps", "60", "--epochs", "6",
-            "--save-steps", "4", *COMMON]
+            "--save-steps", "1", *COMMON]
     run_train(*args, "--output-dir", tmp_path / "straight", accelerate=False)
     reference = losses(tmp_path / "straight")
 
     out = tmp_path / "killed"
-    proc = run_train(*args, "--output-dir", out, accelerate=False, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL)
-    state = out / "state" / "trainer_state.json"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (state.exists() and json.loads(state.read_text())["step"] >= 8):
-        time.sleep(0.05)
-        if proc.poll() is not None:
-            break
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    saved = json.loads(state.read_text())["step"]
-    assert 8 <= saved < 60, "the run was not interrupted mid-way"
+    saved = 0
+    for kill_after in (8, 25):  # killed twice; the second run is itself a resumed one
+        proc = run_train(*args, "--output-dir", out, *(["--resume"] if saved else []), accelerate=False,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 300
+        while time.time() < deadline and (latest_checkpoint(out / "state") or (None, 0))[1] < kill_after:
+            time.sleep(0.01)
+            if proc.poll() is not None:
+                break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        saved = latest_checkpoint(out / "state")[1]
+        assert kill_after <= saved < 60, "the run was not interrupted mid-way"
     result = run_train(*args, "--output-dir", out, "--resume", accelerate=False)
     assert f"resumed from step {saved}" in result.stdout
     resumed = losses(out)
     assert sorted(resumed) == list(range(1, 61))
     for step in range(saved + 1, 61):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
+
+
+def test_checkpoint_torn_by_a_kill_is_never_resumed(tmp_path):
+    """A save cut short leaves `state.partial` half written; resuming uses the last complete save."""
+    accelerator = Accelerator(cpu=True)
+    layer = torch.nn.Linear(3, 3)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    layer, optimizer = accelerator.prepare(layer, optimizer)
+    layer(torch.ones(2, 3)).sum().backward()
+    optimizer.step()
+    state = tmp_path / "state"
+    save_checkpoint(accelerator, state, step=4)
+    weights = {k: v.clone() for k, v in layer.state_dict().items()}
+    assert latest_checkpoint(state) == (state, 4) and not (tmp_path / "state.partial").exists()
+
+    # killed while writing the step-8 save: files present but truncated, no trainer_state.json yet
+    torn = tmp_path / "state.partial"
+    shutil.copytree(state, torn)
+    (torn / "trainer_state.json").unlink()
+    for name in ("optimizer.bin", "scheduler.bin", "model.safetensors"):
+        if (torn / name).exists():
+            (torn / name).write_bytes((torn / name).read_bytes()[:10])
+    with torch.no_grad():
+        layer.weight.add_(1.0)
+    assert latest_checkpoint(state) == (state, 4)
+    accelerator.load_state(str(latest_checkpoint(state)[0]))
+    assert all(torch.equal(v, weights[k]) for k, v in layer.state_dict().items())
+
+    # killed between the two renames: the old save is parked, the new one is complete
+    save_checkpoint(accelerator, state, step=8)
+    state.rename(tmp_path / "state.old")
+    shutil.copytree(tmp_path / "state.old", torn)
+    (torn / "trainer_state.json").write_text(json.dumps({"step": 12}))
+    assert latest_checkpoint(state) == (torn, 12)
+    save_checkpoint(accelerator, state, step=16)  # the next save cleans up both
+    assert latest_checkpoint(state) == (state, 16)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]
+    assert latest_checkpoint(tmp_path / "nothing") is None
 
 
 def test_lora_base_mode_changes_only_lora_and_heads(tmp_path, tiny_chat_base, tiny_data, tokenizer):

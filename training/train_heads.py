@@ -29,7 +29,22 @@ from torch.utils.data import DataLoader, Sampler
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_bpd  # noqa: E402
 from hf_bpd.training import (HeadsOnHiddenStates, build_examples, cache_hidden_states,  # noqa: E402
-                             choose_draft_vocab, collate_cached, head_accuracy)
+                             choose_draft_vocab, collate_cached, head_accuracy, latest_checkpoint,
+                             save_checkpoint)
+
+
+def keep_log_until(path: Path, step: int) -> None:
+    """Drop train_log.jsonl entries after `step` (and a line torn by a kill)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    path.write_text("".join(line + "\n" for line in kept))
 
 
 def parse_args(argv=None, prog=None):
@@ -174,10 +189,18 @@ def main(argv=None, prog=None):
     trainable, optimizer, loader, scheduler = accelerator.prepare(trainable, optimizer, loader, scheduler)
 
     step, state_dir = 0, out / "state"
-    if args.resume and (state_dir / "trainer_state.json").exists():
-        accelerator.load_state(str(state_dir))
-        step = json.loads((state_dir / "trainer_state.json").read_text())["step"]
+    checkpoint = latest_checkpoint(state_dir) if args.resume else None
+    if checkpoint:
+        accelerator.load_state(str(checkpoint[0]))
+        step = checkpoint[1]
+        if accelerator.is_main_process:
+            keep_log_until(out / "train_log.jsonl", step)  # the steps after the checkpoint are run again
         log(f"resumed from step {step}")
+    else:
+        if args.resume:
+            log(f"--resume: no checkpoint in {state_dir}, starting from step 0")
+        if accelerator.is_main_process:
+            keep_log_until(out / "train_log.jsonl", 0)
     def batches():
         """Every batch from step `step` on, epoch after epoch (each epoch re-shuffled deterministically)."""
         done = step * args.grad_accum
@@ -226,9 +249,7 @@ def main(argv=None, prog=None):
         if step % args.log_steps == 0 or step == 1:
             log(f"step {step}/{total_steps} loss {entry['loss']:.4f} heads {entry['head_losses']}")
         if step % args.save_steps == 0:
-            accelerator.save_state(str(state_dir))
-            if accelerator.is_main_process:
-                (state_dir / "trainer_state.json").write_text(json.dumps({"step": step}))
+            save_checkpoint(accelerator, state_dir, step)
 
     accelerator.wait_for_everyone()
     minutes = (time.perf_counter() - started) / 60
