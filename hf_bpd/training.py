@@ -7,6 +7,7 @@ in the base (Medusa-2) the whole model runs every step (`BlockwiseParallelForCau
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
@@ -59,13 +61,30 @@ def choose_draft_vocab(examples: list[dict], size: int, always: list[int] = ()) 
 
 @torch.no_grad()
 def cache_hidden_states(model, examples: list[dict], batch_tokens: int = 4096, dtype=torch.bfloat16,
-                        targets: str = "data") -> list[dict]:
+                        targets: str = "data", cache_dir=None) -> list[dict]:
     """Run the frozen base once over every example; keep `(hidden (seq, d), labels (seq,))` per example.
 
     `targets="base"` replaces every trainable label by the base's own greedy prediction of that token (the argmax
     of the previous position's logits, from the same forward pass): teacher-forced self-distillation, so the heads
     learn what *the base* would say next along the data, at no generation cost. `targets="data"` keeps the text.
+
+    `cache_dir`: keep the result on disk (safetensors) under a key of the base (config and weights checksum), the
+    examples' tokens and labels, `targets` and `dtype`, and reuse it when the same key comes again — head variants
+    then train without running the base again.
     """
+    path = None
+    if cache_dir is not None:
+        path = Path(cache_dir) / f"hidden-{_cache_key(model, examples, targets, dtype)}.safetensors"
+        if path.exists():
+            logger.info("hidden states from %s", path)
+            return _load_cached(path)
+    cached = _compute_hidden_states(model, examples, batch_tokens, dtype, targets)
+    if path is not None:
+        _save_cached(path, cached)
+    return cached
+
+
+def _compute_hidden_states(model, examples, batch_tokens, dtype, targets) -> list[dict]:
     cached = []
     order = sorted(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))
     batches, batch = [], []
@@ -97,6 +116,38 @@ def cache_hidden_states(model, examples: list[dict], batch_tokens: int = 4096, d
     for i in range(len(examples)):
         cached.append(results[i])
     return cached
+
+
+def _cache_key(model, examples: list[dict], targets: str, dtype) -> str:
+    digest = hashlib.sha256()
+    base = model.base_lm if hasattr(model, "base_lm") else model
+    digest.update(base.config.to_json_string(use_diff=False).encode())
+    with torch.no_grad():  # a cheap checksum of the weights: another checkpoint of the same config differs here
+        for name, tensor in sorted(base.state_dict().items()):
+            flat = tensor.detach().float().flatten()
+            digest.update(f"{name}:{tuple(tensor.shape)}:{flat[:: max(1, flat.numel() // 64)].tolist()}".encode())
+    digest.update(f"{targets}:{dtype}:{len(examples)}".encode())
+    for example in examples:
+        digest.update(torch.tensor(example["input_ids"], dtype=torch.int64).numpy().tobytes())
+        digest.update(torch.tensor(example["labels"], dtype=torch.int64).numpy().tobytes())
+    return digest.hexdigest()[:20]
+
+
+def _save_cached(path: Path, cached: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {"hidden": torch.cat([c["hidden"] for c in cached]).contiguous(),
+               "labels": torch.cat([c["labels"] for c in cached]).contiguous(),
+               "lengths": torch.tensor([len(c["labels"]) for c in cached], dtype=torch.int64)}
+    partial = path.with_name(path.name + ".partial")
+    save_file(tensors, str(partial))
+    os.replace(partial, path)  # a kill mid-write never leaves a cache file that looks complete
+
+
+def _load_cached(path: Path) -> list[dict]:
+    tensors = load_file(str(path))
+    lengths = tensors["lengths"].tolist()
+    return [{"hidden": h, "labels": y} for h, y in zip(tensors["hidden"].split(lengths),
+                                                       tensors["labels"].split(lengths))]
 
 
 def collate_cached(items: list[dict]) -> dict:

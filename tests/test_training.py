@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_bpd
 from hf_bpd.data import conversation_messages, tokenize_conversation
-from hf_bpd.training import build_examples, latest_checkpoint, save_checkpoint
+from hf_bpd.training import build_examples, cache_hidden_states, latest_checkpoint, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,6 +118,40 @@ def test_accelerate_launch_smoke_loss_goes_down(tmp_path, tiny_chat_base, tiny_d
     assert "## Training" in card and "top-1" in card
     training = json.loads((out / "training.json").read_text())
     assert training["steps"] == 36 and len(training["eval_head_accuracy"]) == 2
+
+
+def test_hidden_state_cache_on_disk_is_reused_and_keyed(tmp_path, tiny_chat_base, tokenizer):
+    base = AutoModelForCausalLM.from_pretrained(tiny_chat_base).eval()
+    model = hf_bpd.BlockwiseParallelForCausalLM.from_base(base, num_heads=2)
+    records = [{"conversations": [{"from": "human", "value": f"Count {i}"},
+                                  {"from": "gpt", "value": "alpha beta " * (i + 1)}]} for i in range(5)]
+    examples, _ = build_examples(tokenizer, records)
+    calls = []
+    hook = model.base_lm.register_forward_hook(lambda *_: calls.append(1))
+    first = cache_hidden_states(model, examples, targets="base", cache_dir=tmp_path)
+    ran = len(calls)
+    again = cache_hidden_states(model, examples, targets="base", cache_dir=tmp_path)
+    assert ran > 0 and len(calls) == ran, "the second call must come from disk, not from the base"
+    assert [f.suffix for f in tmp_path.iterdir()] == [".safetensors"]
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a["hidden"], b["hidden"]) and torch.equal(a["labels"], b["labels"])
+    cache_hidden_states(model, examples, targets="data", cache_dir=tmp_path)  # other targets: another entry
+    cache_hidden_states(model, examples[:4], targets="base", cache_dir=tmp_path)  # other examples: another entry
+    with torch.no_grad():
+        model.base_lm.model.layers[0].mlp.down_proj.weight.mul_(2)  # other weights: another entry
+    cache_hidden_states(model, examples, targets="base", cache_dir=tmp_path)
+    assert len(calls) > ran and len(list(tmp_path.iterdir())) == 4
+    hook.remove()
+
+
+def test_train_heads_from_the_disk_cache_gives_the_same_run(tmp_path, tiny_chat_base, tiny_data):
+    args = ["--model", tiny_chat_base, "--data", tiny_data, "--max-steps", "12", "--cache-dir", tmp_path / "cache",
+            *COMMON]
+    run_train(*args, "--output-dir", tmp_path / "a", accelerate=False)
+    assert len(list((tmp_path / "cache").glob("hidden-*.safetensors"))) == 2  # train and eval splits
+    result = run_train(*args, "--output-dir", tmp_path / "b", accelerate=False)
+    assert "caching base hidden states" not in result.stderr
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
 
 
 def test_kill_and_resume_loses_no_step(tmp_path, tiny_chat_base, tiny_data):

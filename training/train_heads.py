@@ -61,6 +61,8 @@ def parse_args(argv=None, prog=None):
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--head-type", default="resblock", choices=["resblock", "ffn"])
     p.add_argument("--num-layers-per-head", type=int, default=1)
+    p.add_argument("--head-intermediate-size", type=int, default=None,
+                   help="hidden width of an ffn head (default: the base's hidden size)")
     p.add_argument("--own-projection", action="store_true", help="heads own their output projection")
     p.add_argument("--draft-vocab-size", type=int, default=None, help="score only the N most frequent tokens")
     p.add_argument("--head-loss-weights", default=None, help="comma-separated λ_h, e.g. 1,0.8,0.6,0.4")
@@ -74,6 +76,9 @@ def parse_args(argv=None, prog=None):
     p.add_argument("--save-steps", type=int, default=200)
     p.add_argument("--log-steps", type=int, default=10)
     p.add_argument("--output-dir", required=True)
+    p.add_argument("--cache-dir", default=None,
+                   help="keep the cached base hidden states here (safetensors) and reuse them in later runs on the "
+                        "same base, data and targets (frozen-base mode)")
     p.add_argument("--resume", action="store_true", help="continue from output-dir/state")
     p.add_argument("--lora-base", default=None, help="comma-separated base modules for LoRA (Medusa-2 mode)")
     p.add_argument("--lora-r", type=int, default=8)
@@ -159,6 +164,7 @@ def main(argv=None, prog=None):
         weights = [float(w) for w in args.head_loss_weights.split(",")] if args.head_loss_weights else None
         model = hf_bpd.BlockwiseParallelForCausalLM.from_base(
             base, num_heads=args.num_heads, head_type=args.head_type, num_layers_per_head=args.num_layers_per_head,
+            head_intermediate_size=args.head_intermediate_size,
             tie_head_projection=not args.own_projection, draft_vocab=draft_vocab, head_loss_weights=weights)
         model.config.base_model_name_or_path = args.model
 
@@ -173,8 +179,8 @@ def main(argv=None, prog=None):
         collate = collate_tokens(tokenizer.pad_token_id or 0)
     else:
         model.freeze_base()
-        dataset = cache_hidden_states(model, train_examples, targets=args.targets)
-        eval_data = cache_hidden_states(model, eval_examples, targets=args.targets)
+        dataset = cache_hidden_states(model, train_examples, targets=args.targets, cache_dir=args.cache_dir)
+        eval_data = cache_hidden_states(model, eval_examples, targets=args.targets, cache_dir=args.cache_dir)
         trainable = HeadsOnHiddenStates(model)
         collate = collate_cached
 
