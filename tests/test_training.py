@@ -264,3 +264,51 @@ def test_self_distill_is_batched_resumable_and_deterministic(tmp_path, tiny_chat
     assert len({r["id"] for r in rows}) == 7
     assert all(r["conversations"][0]["from"] == "human" and r["conversations"][1]["from"] == "gpt" for r in rows)
     assert "Count 4" not in {r["conversations"][0]["value"] for r in rows}
+
+
+def test_tune_rescorers_smoke_bundles_the_better_ngram_and_sets_the_default(tmp_path, tiny_chat_base, tokenizer):
+    from hf_bpd import ngram
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_chat_base).eval()
+    answers = []
+    for i in range(3):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": f"Count to {i}"}],
+                                            add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        answers.append(base.generate(**ids, max_new_tokens=24, do_sample=False)[0, ids["input_ids"].shape[1]:].tolist())
+    # heads with no opinion (own projections at zero: uniform over a small draft vocabulary holding every answer
+    # token, all of it in the lattice), so only the n-gram can make the drafts right
+    vocab = sorted(set(sum(answers, [])))
+    vocab = sorted(vocab + [t for t in range(1000, 2000) if t not in vocab][: max(0, 16 - len(vocab))])
+    model = hf_bpd.BlockwiseParallelForCausalLM.from_base(base, num_heads=3, draft_vocab=vocab,
+                                                          tie_head_projection=False)
+    with torch.no_grad():
+        for head in model.heads.heads:
+            head.projection.weight.zero_()
+    model.config.base_model_name_or_path = str(tiny_chat_base)
+    checkpoint = tmp_path / "ckpt"
+    model.save_pretrained(checkpoint)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": str(i), "category": "x", "turns": [f"Count to {i}"]})
+                                 + "\n" for i in range(3)))
+    # an n-gram over the base's own greedy answers (it knows what the base says) and one over unrelated ids
+    (tmp_path / "answers.txt").write_text("".join((" ".join(map(str, a)) + "\n") * 5 for a in answers))
+    (tmp_path / "noise.txt").write_text("".join(" ".join(str(vocab[(i * 13 + j * 7) % len(vocab)]) for j in range(12)) + "\n"
+                                                for i in range(60)))
+    lms = [ngram.build_ngram_from_ids(tmp_path / f"{name}.txt", tmp_path / f"{name}.bin", 3, memory="50M",
+                                      discount_fallback=True) for name in ("noise", "answers")]
+    result = subprocess.run([sys.executable, str(ROOT / "training" / "tune_rescorers.py"), "--checkpoint",
+                             str(checkpoint), "--questions", str(questions), "--max-new-tokens", "16", "--threads",
+                             "1", "--top-k", str(len(vocab)), "--ngram", *map(str, lms), "--bundle"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((checkpoint / "tuning.json").read_text())
+    assert report["prompts"] == 3
+    assert report["answers.bin"]["best"] > report["answers.bin"]["vanilla"], report
+    assert report["answers.bin"]["best"] > report["noise.bin"]["best"], report
+    assert report["chosen"] == "answers.bin" and report["default_rescorer"] == "ngram"
+    loaded = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(checkpoint)
+    spec = loaded.config.rescorers["ngram"]
+    assert (checkpoint / spec["path"]).is_file() and spec["alpha"] == report["answers.bin"]["alpha"]
+    assert spec["order"] == 3 and loaded.config.rescorer == "ngram"
+    prompt = tokenizer("Count to 5", return_tensors="pt")
+    reference = base.generate(**prompt, max_new_tokens=20, do_sample=False)
+    assert torch.equal(loaded.generate(**prompt, max_new_tokens=20), reference)  # the default: rescorer="ngram"

@@ -5,7 +5,8 @@
 
 Block efficiency for every α of the paper's grid comes from one greedy reference decode per prompt
 (`hf_bpd.tune_alpha`); the n-gram candidate with the best tuned block efficiency is bundled (with `--bundle`),
-the neural rescorer too, each with its α; entropy-adaptive α is reported for the chosen n-gram. Results go to
+the neural rescorer too, each with its α, and the better of the two becomes the checkpoint's default rescorer;
+entropy-adaptive α is reported for the chosen n-gram. Results go to
 `<checkpoint>/tuning.json`.
 """
 
@@ -60,11 +61,12 @@ def main(argv=None):
         report[name] = row
         return row
 
-    ngram_rows = {path: tune(Path(path).name, hf_bpd.NgramRescorer(path, order=4)) for path in args.ngram}
+    ngrams = {path: hf_bpd.NgramRescorer(path) for path in args.ngram}  # each at its own order
+    ngram_rows = {path: tune(Path(path).name, rescorer) for path, rescorer in ngrams.items()}
     chosen = max(ngram_rows, key=lambda k: ngram_rows[k]["best"]) if ngram_rows else None
     if chosen:
         report["chosen"] = Path(chosen).name
-        tune(f"{Path(chosen).name} entropy-adaptive", hf_bpd.NgramRescorer(chosen, order=4, entropy_adaptive=True))
+        tune(f"{Path(chosen).name} entropy-adaptive", hf_bpd.NgramRescorer(chosen, entropy_adaptive=True))
     neural_row = None
     if args.neural:
         spec = {"type": "base_prefix", "num_layers": args.neural_layers, "path": Path(args.neural).name}
@@ -73,10 +75,17 @@ def main(argv=None):
 
     if args.bundle:
         if chosen:
-            model.bundle_rescorer("ngram", chosen, alpha=ngram_rows[chosen]["alpha"], order=4)
+            model.bundle_rescorer("ngram", chosen, alpha=ngram_rows[chosen]["alpha"],
+                                  order=ngrams[chosen].model_order)
         if neural_row:
             model.bundle_rescorer("neural", args.neural, alpha=neural_row["alpha"], type="base_prefix",
                                   num_layers=args.neural_layers)
+        bundled = {name: row for name, row in (("ngram", ngram_rows.get(chosen)), ("neural", neural_row)) if row}
+        if bundled:  # the default `generate()` uses the rescorer with the best tuned block efficiency, if it helps
+            best = max(bundled, key=lambda name: bundled[name]["best"])
+            model.config.rescorer = best if bundled[best]["best"] > bundled[best]["vanilla"] else None
+            report["default_rescorer"] = model.config.rescorer
+            print(f"default rescorer: {model.config.rescorer}")
         (Path(args.checkpoint) / "tuning.json").write_text(json.dumps(report, indent=2))
         model.save_pretrained(args.checkpoint)
         print(f"bundled into {args.checkpoint}")
