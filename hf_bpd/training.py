@@ -124,8 +124,9 @@ def _cache_key(model, examples: list[dict], targets: str, dtype) -> str:
     digest.update(base.config.to_json_string(use_diff=False).encode())
     with torch.no_grad():  # a cheap checksum of the weights: another checkpoint of the same config differs here
         for name, tensor in sorted(base.state_dict().items()):
-            flat = tensor.detach().float().flatten()
-            digest.update(f"{name}:{tuple(tensor.shape)}:{flat[:: max(1, flat.numel() // 64)].tolist()}".encode())
+            flat = tensor.detach().flatten()
+            sample = flat[:: max(1, flat.numel() // 64)].float()  # sample first: no float copy of every weight
+            digest.update(f"{name}:{tuple(tensor.shape)}:{sample.tolist()}".encode())
     digest.update(f"{targets}:{dtype}:{len(examples)}".encode())
     for example in examples:
         digest.update(torch.tensor(example["input_ids"], dtype=torch.int64).numpy().tobytes())

@@ -206,7 +206,7 @@ def main(argv=None, prog=None):
         if args.resume:
             log(f"--resume: no checkpoint in {state_dir}, starting from step 0")
         if accelerator.is_main_process:
-            keep_log_until(out / "train_log.jsonl", 0)
+            (out / "train_log.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh log
     def batches():
         """Every batch from step `step` on, epoch after epoch (each epoch re-shuffled deterministically)."""
         done = step * args.grad_accum
