@@ -16,7 +16,8 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
@@ -61,27 +62,38 @@ def choose_draft_vocab(examples: list[dict], size: int, always: list[int] = ()) 
 
 @torch.no_grad()
 def cache_hidden_states(model, examples: list[dict], batch_tokens: int = 4096, dtype=torch.bfloat16,
-                        targets: str = "data", cache_dir=None) -> list[dict]:
+                        targets: str = "data", cache_dir=None, shard_examples: int = 512) -> list[dict]:
     """Run the frozen base once over every example; keep `(hidden (seq, d), labels (seq,))` per example.
 
     `targets="base"` replaces every trainable label by the base's own greedy prediction of that token (the argmax
     of the previous position's logits, from the same forward pass): teacher-forced self-distillation, so the heads
     learn what *the base* would say next along the data, at no generation cost. `targets="data"` keeps the text.
 
-    `cache_dir`: keep the result on disk (safetensors) under a key of the base (config and weights checksum), the
-    examples' tokens and labels, `targets` and `dtype`, and reuse it when the same key comes again — head variants
-    then train without running the base again.
+    `cache_dir`: keep the results on disk (safetensors shards) keyed per example by the base (config and weights
+    checksum), `targets`, `dtype` and the example's tokens and labels, and reuse them: head variants train without
+    running the base again, and data added later (or another split of the same data) costs base forwards only for
+    the examples not seen before. Shards are written every `shard_examples` computed examples.
     """
-    path = None
-    if cache_dir is not None:
-        path = Path(cache_dir) / f"hidden-{_cache_key(model, examples, targets, dtype)}.safetensors"
-        if path.exists():
-            logger.info("hidden states from %s", path)
-            return _load_cached(path)
-    cached = _compute_hidden_states(model, examples, batch_tokens, dtype, targets)
-    if path is not None:
-        _save_cached(path, cached)
-    return cached
+    if cache_dir is None:
+        return _compute_hidden_states(model, examples, batch_tokens, dtype, targets)
+    cache_dir = Path(cache_dir)
+    prefix = _base_key(model, targets, dtype)
+    keys = [_example_key(prefix, example) for example in examples]
+    found = _load_cached(cache_dir, prefix, set(keys))
+    todo = {}  # key -> example, identical examples computed once
+    for key, example in zip(keys, examples):
+        if key not in found:
+            todo.setdefault(key, example)
+    logger.info("hidden states: %d examples from %s, %d to compute", sum(k in found for k in keys), cache_dir,
+                len(todo))
+    pending = list(todo.items())
+    for start in range(0, len(pending), shard_examples):  # a shard per chunk: a killed run keeps what it computed
+        chunk = dict(pending[start: start + shard_examples])
+        computed = _compute_hidden_states(model, list(chunk.values()), batch_tokens, dtype, targets)
+        new = dict(zip(chunk, computed))
+        _save_shard(cache_dir, prefix, new)
+        found.update(new)
+    return [found[key] for key in keys]
 
 
 def _compute_hidden_states(model, examples, batch_tokens, dtype, targets) -> list[dict]:
@@ -118,7 +130,7 @@ def _compute_hidden_states(model, examples, batch_tokens, dtype, targets) -> lis
     return cached
 
 
-def _cache_key(model, examples: list[dict], targets: str, dtype) -> str:
+def _base_key(model, targets: str, dtype) -> str:
     digest = hashlib.sha256()
     base = model.base_lm if hasattr(model, "base_lm") else model
     digest.update(base.config.to_json_string(use_diff=False).encode())
@@ -127,28 +139,40 @@ def _cache_key(model, examples: list[dict], targets: str, dtype) -> str:
             flat = tensor.detach().flatten()
             sample = flat[:: max(1, flat.numel() // 64)].float()  # sample first: no float copy of every weight
             digest.update(f"{name}:{tuple(tensor.shape)}:{sample.tolist()}".encode())
-    digest.update(f"{targets}:{dtype}:{len(examples)}".encode())
-    for example in examples:
-        digest.update(torch.tensor(example["input_ids"], dtype=torch.int64).numpy().tobytes())
-        digest.update(torch.tensor(example["labels"], dtype=torch.int64).numpy().tobytes())
-    return digest.hexdigest()[:20]
+    digest.update(f"{targets}:{dtype}".encode())
+    return digest.hexdigest()[:16]
 
 
-def _save_cached(path: Path, cached: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {"hidden": torch.cat([c["hidden"] for c in cached]).contiguous(),
-               "labels": torch.cat([c["labels"] for c in cached]).contiguous(),
-               "lengths": torch.tensor([len(c["labels"]) for c in cached], dtype=torch.int64)}
+def _example_key(prefix: str, example: dict) -> str:
+    digest = hashlib.sha256(prefix.encode())
+    digest.update(torch.tensor(example["input_ids"], dtype=torch.int64).numpy().tobytes())
+    digest.update(b"|")
+    digest.update(torch.tensor(example["labels"], dtype=torch.int64).numpy().tobytes())
+    return digest.hexdigest()[:24]
+
+
+def _save_shard(cache_dir: Path, prefix: str, entries: dict[str, dict]) -> None:
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for key, entry in entries.items():
+        tensors[f"{key}.hidden"] = entry["hidden"].contiguous()
+        tensors[f"{key}.labels"] = entry["labels"].contiguous()
+    name = hashlib.sha256("".join(sorted(entries)).encode()).hexdigest()[:16]
+    path = cache_dir / f"hidden-{prefix}-{name}.safetensors"
     partial = path.with_name(path.name + ".partial")
     save_file(tensors, str(partial))
-    os.replace(partial, path)  # a kill mid-write never leaves a cache file that looks complete
+    os.replace(partial, path)  # a kill mid-write never leaves a shard that looks complete
 
 
-def _load_cached(path: Path) -> list[dict]:
-    tensors = load_file(str(path))
-    lengths = tensors["lengths"].tolist()
-    return [{"hidden": h, "labels": y} for h, y in zip(tensors["hidden"].split(lengths),
-                                                       tensors["labels"].split(lengths))]
+def _load_cached(cache_dir: Path, prefix: str, wanted: set[str]) -> dict[str, dict]:
+    found = {}
+    for path in sorted(cache_dir.glob(f"hidden-{prefix}-*.safetensors")):
+        with safe_open(str(path), framework="pt") as shard:
+            for name in shard.keys():
+                key, _, kind = name.partition(".")
+                if key in wanted and kind == "hidden" and key not in found:
+                    found[key] = {"hidden": shard.get_tensor(name), "labels": shard.get_tensor(f"{key}.labels")}
+    return found
 
 
 def collate_cached(items: list[dict]) -> dict:

@@ -124,23 +124,36 @@ def test_hidden_state_cache_on_disk_is_reused_and_keyed(tmp_path, tiny_chat_base
     base = AutoModelForCausalLM.from_pretrained(tiny_chat_base).eval()
     model = hf_bpd.BlockwiseParallelForCausalLM.from_base(base, num_heads=2)
     records = [{"conversations": [{"from": "human", "value": f"Count {i}"},
-                                  {"from": "gpt", "value": "alpha beta " * (i + 1)}]} for i in range(5)]
+                                  {"from": "gpt", "value": "alpha beta " * (i + 1)}]} for i in range(7)]
     examples, _ = build_examples(tokenizer, records)
-    calls = []
-    hook = model.base_lm.register_forward_hook(lambda *_: calls.append(1))
-    first = cache_hidden_states(model, examples, targets="base", cache_dir=tmp_path)
-    ran = len(calls)
-    again = cache_hidden_states(model, examples, targets="base", cache_dir=tmp_path)
-    assert ran > 0 and len(calls) == ran, "the second call must come from disk, not from the base"
-    assert [f.suffix for f in tmp_path.iterdir()] == [".safetensors"]
+    rows = []  # examples the base ran on
+    hook = model.base_lm.register_forward_hook(lambda m, args, kwargs, out: rows.append(len(kwargs["input_ids"])),
+                                               with_kwargs=True)
+    reference = cache_hidden_states(model, examples)  # no cache dir: computed, nothing written
+    assert sum(rows) == 7 and not list(tmp_path.iterdir())
+    rows.clear()
+    first = cache_hidden_states(model, examples[:5], targets="base", cache_dir=tmp_path, shard_examples=2)
+    assert sum(rows) == 5 and len(list(tmp_path.iterdir())) == 3  # shards of 2, 2 and 1 examples
+    assert all(f.suffix == ".safetensors" for f in tmp_path.iterdir())
+    rows.clear()
+    again = cache_hidden_states(model, examples[:5], targets="base", cache_dir=tmp_path)
+    assert sum(rows) == 0, "the second call must come from disk, not from the base"
     for a, b in zip(first, again, strict=True):
         assert torch.equal(a["hidden"], b["hidden"]) and torch.equal(a["labels"], b["labels"])
-    cache_hidden_states(model, examples, targets="data", cache_dir=tmp_path)  # other targets: another entry
-    cache_hidden_states(model, examples[:4], targets="base", cache_dir=tmp_path)  # other examples: another entry
+    # more data, another order, a subset: only the examples never seen run through the base
+    mixed = [examples[6], examples[1], examples[5], examples[3]]
+    out = cache_hidden_states(model, mixed, targets="base", cache_dir=tmp_path)
+    assert sum(rows) == 2
+    assert torch.equal(out[1]["hidden"], first[1]["hidden"]) and torch.equal(out[3]["labels"], first[3]["labels"])
+    assert torch.allclose(out[0]["hidden"].float(), reference[6]["hidden"].float(), atol=2e-2)  # other batch
+    rows.clear()
+    cache_hidden_states(model, examples[:5], targets="data", cache_dir=tmp_path)  # other targets: computed again
+    assert sum(rows) == 5
+    rows.clear()
     with torch.no_grad():
-        model.base_lm.model.layers[0].mlp.down_proj.weight.mul_(2)  # other weights: another entry
-    cache_hidden_states(model, examples, targets="base", cache_dir=tmp_path)
-    assert len(calls) > ran and len(list(tmp_path.iterdir())) == 4
+        model.base_lm.model.layers[0].mlp.down_proj.weight.mul_(2)  # other weights: computed again
+    cache_hidden_states(model, examples[:5], targets="base", cache_dir=tmp_path)
+    assert sum(rows) == 5
     hook.remove()
 
 
@@ -148,7 +161,7 @@ def test_train_heads_from_the_disk_cache_gives_the_same_run(tmp_path, tiny_chat_
     args = ["--model", tiny_chat_base, "--data", tiny_data, "--max-steps", "12", "--cache-dir", tmp_path / "cache",
             *COMMON]
     run_train(*args, "--output-dir", tmp_path / "a", accelerate=False)
-    assert len(list((tmp_path / "cache").glob("hidden-*.safetensors"))) == 2  # train and eval splits
+    assert len(list((tmp_path / "cache").glob("hidden-*.safetensors"))) == 2  # a shard per split
     result = run_train(*args, "--output-dir", tmp_path / "b", accelerate=False)
     assert "caching base hidden states" not in result.stderr
     assert losses(tmp_path / "a") == losses(tmp_path / "b")

@@ -77,8 +77,9 @@ def parse_args(argv=None, prog=None):
     p.add_argument("--log-steps", type=int, default=10)
     p.add_argument("--output-dir", required=True)
     p.add_argument("--cache-dir", default=None,
-                   help="keep the cached base hidden states here (safetensors) and reuse them in later runs on the "
-                        "same base, data and targets (frozen-base mode)")
+                   help="keep the base hidden states here (safetensors shards, per example) and reuse them in later "
+                        "runs on the same base and targets: only examples not seen before run the base (frozen-base "
+                        "mode)")
     p.add_argument("--resume", action="store_true", help="continue from output-dir/state")
     p.add_argument("--lora-base", default=None, help="comma-separated base modules for LoRA (Medusa-2 mode)")
     p.add_argument("--lora-r", type=int, default=8)
