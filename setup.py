@@ -1,4 +1,4 @@
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="hf_bpd",
@@ -7,9 +7,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["hf_bpd", "hf_bpd.model_cards"],
+    packages=find_packages(include=["hf_bpd", "hf_bpd.*"]) + ["hf_bpd.model_cards"],
     package_dir={"hf_bpd": "hf_bpd", "hf_bpd.model_cards": "model_cards"},
-    package_data={"hf_bpd.model_cards": ["*.md"], "hf_bpd": ["csrc/*.cpp"]},  # csrc: the n-gram rescorer
+    # csrc: the n-gram rescorer's compiled fast path
+    package_data={"hf_bpd.model_cards": ["*.md"], "hf_bpd.rescorers": ["csrc/*.cpp"]},
     install_requires=[
         "torch==2.13.0",
         "transformers>=5.23,<6",

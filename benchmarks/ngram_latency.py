@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import hf_bpd
-from hf_bpd import ngram
+from hf_bpd.rescorers import kenlm, ngram
 from hf_bpd.lattice import Lattice
 
 DATA = Path("/work/shared/data")
@@ -33,7 +33,7 @@ TABLE13 = [(h, k, 1) for h in (4, 8, 16) for k in (2, 4, 8, 16)]
 
 def build_model(args, tokenizer) -> Path:
     if not args.model_file.exists():
-        ngram.build_ngram(args.train_text, tokenizer, args.model_file, order=4, memory="1G",
+        kenlm.build_ngram(args.train_text, tokenizer, args.model_file, order=4, memory="1G",
                           max_lines=args.max_lines, strip_wiki_markup=True)
     return args.model_file
 
@@ -98,7 +98,7 @@ def time_rescorer(rescorer, cases, p):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-file", type=Path,
-                        default=hf_bpd.base_models.cache_dir() / "ngram" / "enwiki_AA_smollm2_4gram.bin")
+                        default=hf_bpd.hub.base_models.cache_dir() / "ngram" / "enwiki_AA_smollm2_4gram.bin")
     parser.add_argument("--train-text", default=str(DATA / "enwiki_wikiextractor_AA.txt.gz"))
     parser.add_argument("--heldout-text", default=str(DATA / "enwiki_wikiextractor_AB.txt.gz"))
     parser.add_argument("--max-lines", type=int, default=140_000, help="training lines (140k: ~10M tokens)")
@@ -115,7 +115,7 @@ def main():
 
     base, tokenizer = hf_bpd.load_base("smollm2-135m-instruct")
     path = build_model(args, tokenizer)
-    info = json.loads(ngram.info_path(path).read_text())
+    info = json.loads(kenlm.info_path(path).read_text())
     fast = ngram.NgramRescorer(path, alpha=args.alpha, backend="compiled")
     slow = ngram.NgramRescorer(path, alpha=args.alpha, backend="python")
     print(f"4-gram {path}: {info['tokens']:,} training tokens, {sum(info['ngram_counts']):,} n-grams "

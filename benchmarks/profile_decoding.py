@@ -25,21 +25,19 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import hf_bpd  # noqa: E402
-from hf_bpd.bench import encode_messages, load_questions  # noqa: E402
-from hf_bpd.rescoring import HeadScoreRescorer  # noqa: E402
+import hf_bpd
+from hf_bpd.evaluation.bench import encode_messages, load_questions
 
 METHODS = {
-    "bpd": dict(rescorer=HeadScoreRescorer(), num_drafts=1),
-    "bpd+ngram": dict(rescorer="ngram", num_drafts=1),
-    "bpd+neural": dict(rescorer="neural", num_drafts=1),
-    "pbest-ngram": dict(rescorer="ngram", num_drafts=4),
-    "tree": dict(rescorer=HeadScoreRescorer(), tree=(4, 2, 2, 1)),  # widths, cut to the model's heads
+    "bpd": dict(rescorer=None, num_drafts=1, tree=None),
+    "bpd+ngram": dict(rescorer="ngram", num_drafts=1, tree=None),
+    "bpd+neural": dict(rescorer="neural", num_drafts=1, tree=None),
+    "pbest-ngram": dict(rescorer="ngram", num_drafts=4, tree=None),
+    "tree": dict(rescorer=None, num_drafts=1, tree=(4, 2, 2, 1)),  # widths, cut to the model's heads
 }
 # (part, predicate on a pstats key (file, line, function name)); earlier parts are nested inside later ones
 PARTS = [
-    ("rescoring", lambda f, n: n == "rescore" and ("ngram.py" in f or "neural.py" in f or "rescoring.py" in f)),
+    ("rescoring", lambda f, n: n == "rescore" and "rescorers" in f),
     ("heads", lambda f, n: (n == "step_logits" and f.endswith("heads.py")) or
      (n == "from_head_logits" and f.endswith("lattice.py"))),
     ("tree masks", lambda f, n: f.endswith("tree.py") and n in ("tree_attention_masks", "__init__")),
@@ -54,8 +52,6 @@ def cumulative(stats: pstats.Stats, predicate) -> float:
 
 
 def profile_method(model, prompts, options, max_new_tokens):
-    if "tree" in options:
-        options = {**options, "tree": hf_bpd.sparse_tree(options["tree"][: model.config.num_heads])}
     # the model class's own forward (transformers wraps it in decorators whose shared wrapper code would also match
     # every decorated submodule)
     code = inspect.unwrap(type(model.base_lm).forward).__code__

@@ -1,20 +1,24 @@
-"""hf_bpd: blockwise parallel decoding with draft refinement for Hugging Face Transformers."""
+"""hf_bpd: blockwise parallel decoding with draft refinement for Hugging Face Transformers.
+
+Module map: `configuration` (what the heads are), `heads` (the drafting heads and their loss), `modeling` (the model
+class), `lattice` (a step's top-k lattice), `generation/` (options, drafting, draft trees, the decoding loop),
+`rescorers/` (registry, n-gram, neural), `training/`, `evaluation/` (analysis, tuning, bench), `hub/` (base models,
+checkpoint files, model cards), `cli`.
+"""
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .base_models import PACKAGED_MODELS, fingerprint, load_base, load_base_model, load_tokenizer
 from .configuration import BlockwiseParallelConfig
 from .errors import BaseModelError, BPDConfigError, BPDError, CheckpointError
-from .drafting import BlockDraftCandidateGenerator, BlockDrafter, GenerationStats
+from .evaluation.tuning import ALPHA_GRID, tune_alpha
+from .generation import BlockDrafter, BlockwiseGenerateOutput, BlockwiseGenerationConfig, GenerationStats, sparse_tree
 from .heads import DraftHeads
+from .hub.base_models import PACKAGED_MODELS, fingerprint, load_base, load_base_model, load_tokenizer
 from .lattice import Draft, Lattice
-from .lora import bpd_lora_config
 from .modeling import BlockwiseParallelForCausalLM, BlockwiseParallelOutput
-from .neural import NeuralRescorer
-from .ngram import NgramRescorer, build_ngram
-from .rescoring import HeadScoreRescorer, Rescorer
-from .tree import sparse_tree
-from .tuning import ALPHA_GRID, tune_alpha
+from .rescorers import (HeadScoreRescorer, NeuralRescorer, NgramRescorer, Rescorer, available_rescorers,
+                        build_ngram, register_rescorer)
+from .training.lora import bpd_lora_config
 
 __version__ = "0.1.0"
 
@@ -22,30 +26,10 @@ AutoConfig.register(BlockwiseParallelConfig.model_type, BlockwiseParallelConfig,
 AutoModelForCausalLM.register(BlockwiseParallelConfig, BlockwiseParallelForCausalLM, exist_ok=True)
 
 __all__ = [
-    "BlockDraftCandidateGenerator",
-    "BlockDrafter",
-    "Draft",
-    "GenerationStats",
-    "HeadScoreRescorer",
-    "Lattice",
-    "NeuralRescorer",
-    "NgramRescorer",
-    "Rescorer",
-    "sparse_tree",
-    "BPDConfigError",
-    "BPDError",
-    "BaseModelError",
-    "BlockwiseParallelConfig",
-    "BlockwiseParallelForCausalLM",
-    "BlockwiseParallelOutput",
-    "CheckpointError",
-    "DraftHeads",
-    "PACKAGED_MODELS",
-    "bpd_lora_config",
-    "build_ngram",
-    "tune_alpha",
-    "fingerprint",
-    "load_base",
-    "load_base_model",
-    "load_tokenizer",
+    "ALPHA_GRID", "BPDConfigError", "BPDError", "BaseModelError", "BlockDrafter", "BlockwiseGenerateOutput",
+    "BlockwiseGenerationConfig", "BlockwiseParallelConfig", "BlockwiseParallelForCausalLM",
+    "BlockwiseParallelOutput", "CheckpointError", "Draft", "DraftHeads", "GenerationStats", "HeadScoreRescorer",
+    "Lattice", "NeuralRescorer", "NgramRescorer", "PACKAGED_MODELS", "Rescorer", "available_rescorers",
+    "bpd_lora_config", "build_ngram", "fingerprint", "load_base", "load_base_model", "load_tokenizer",
+    "register_rescorer", "sparse_tree", "tune_alpha",
 ]

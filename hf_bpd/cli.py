@@ -1,7 +1,7 @@
 """`hf-bpd`: the command line. Errors in user input print one line (`hf-bpd: error: ...`) and exit 2.
 
 Subcommands: `generate` (one prompt, with statistics), `bench` (decoding methods side by side on a prompt file,
-`hf_bpd.bench`), `analyze` (the paper's Section 6 analyses of block drafts, `hf_bpd.analysis`).
+`hf_bpd.evaluation.bench`), `analyze` (the paper's Section 6 analyses of block drafts, `hf_bpd.evaluation.analysis`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def load_for_generation(name_or_path: str, dtype: str = "float32"):
     """`(model, tokenizer)` for a heads checkpoint directory (with its base) or a plain base model name."""
     import torch
 
-    from .base_models import load_base, load_tokenizer
+    from .hub.base_models import load_base, load_tokenizer
     from .modeling import BlockwiseParallelForCausalLM
 
     torch_dtype = getattr(torch, dtype)
@@ -53,24 +53,20 @@ def _draft_options(args) -> dict:
     """`generate()` keyword arguments for the drafting options of `hf-bpd generate` (unset: the checkpoint's)."""
     options = {}
     if args.rescorer is not None:
-        from .rescoring import HeadScoreRescorer
-
-        options["rescorer"] = HeadScoreRescorer() if args.rescorer == "none" else args.rescorer
+        options["rescorer"] = args.rescorer
     for name in ("num_drafts", "draft_top_k", "num_heads_to_use"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     if args.tree:
-        from .tree import sparse_tree
-
-        options["tree"] = sparse_tree(tuple(_int_list(args.tree, "--tree")))
+        options["tree"] = ",".join(map(str, _int_list(args.tree, "--tree")))
     return options
 
 
 def _method_label(model, options: dict) -> str:
-    config = model.config
+    config = model.generation_config
     rescorer = options.get("rescorer", config.rescorer)
-    name = f" + {rescorer}" if isinstance(rescorer, str) else ""  # a bundled rescorer's name; else head scores
-    if options.get("tree") is not None:
+    name = f" + {rescorer}" if isinstance(rescorer, str) and rescorer != "none" else ""  # else head scores
+    if options.get("tree", config.tree) is not None:
         return f"tree{name}"
     drafts = options.get("num_drafts") or config.num_drafts
     return f"bpd{name}" + (f", {drafts}-best" if drafts > 1 else "")
@@ -101,7 +97,11 @@ def cmd_generate(args) -> int:
     if args.no_heads:  # plain decoding; a plain base model decodes plainly anyway
         options = {"use_heads": False} if has_heads else {}
     if has_heads and not args.no_heads:
-        model.decoding_plan(**options)  # bad drafting options fail here, in one line, before any decoding
+        from .generation.config import drafting_options
+        from .generation.decoding import plan_drafting
+
+        # bad drafting options fail here, in one line, before any decoding
+        plan_drafting(model, drafting_options(dict(options), None, model.generation_config))
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
     prompt_length = inputs["input_ids"].shape[1]
     if args.compare:  # warm-up (first-call costs: allocations, rescorer loading) is kept out of the timings
@@ -124,10 +124,8 @@ def cmd_generate(args) -> int:
                  ref.shape[1] - prompt_length, ref_seconds, 1.0, None)]
         label = _method_label(model, options) if stats is not None else "this run"
         if stats is not None and _method_label(model, options) != "bpd":
-            from .rescoring import HeadScoreRescorer
-
-            plain, plain_seconds = _timed(lambda: model.generate(**inputs, **kwargs, rescorer=HeadScoreRescorer(),
-                                                                 num_drafts=1))
+            plain, plain_seconds = _timed(lambda: model.generate(**inputs, **kwargs, rescorer=None, num_drafts=1,
+                                                                 tree=None))
             rows.append(("bpd (heads' top-1 draft)", plain.shape[1] - prompt_length, plain_seconds,
                          model.last_generation_stats.block_efficiency,
                          None if args.do_sample else torch.equal(plain, ref)))
@@ -177,7 +175,7 @@ def _writable_dir(path: str | None) -> None:
 
 
 def _questions(args) -> list[dict]:
-    from .bench import load_questions
+    from .evaluation.bench import load_questions
 
     questions = load_questions(args.questions)
     return questions[: args.limit] if args.limit else questions
@@ -196,7 +194,7 @@ def _setup(args):
 
 
 def cmd_bench(args) -> int:
-    from . import bench
+    from .evaluation import bench
 
     _positive(args, "limit", "max_new_tokens", "threads", "num_drafts", "draft_top_k", "pld_tokens",
                "early_exit_layer")
@@ -236,8 +234,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_analyze(args) -> int:
-    from . import analysis, bench
-    from .rescoring import RESCORER_NAMES, resolve_rescorer
+    from .evaluation import analysis, bench
+    from .rescorers import available_rescorers, resolve_rescorer
 
     _positive(args, "limit", "max_new_tokens", "threads", "rescore_top_k")
     top_ks = _int_list(args.top_k, "--top-k")
@@ -250,14 +248,14 @@ def cmd_analyze(args) -> int:
     bundled = getattr(model, "bundled_rescorers", {}) or {}
     name = args.rescorer
     if name is None:  # default: the first rescorer the checkpoint bundles, if any
-        name = next((n for n in RESCORER_NAMES if bundled.get(n) is not None), "none")
+        name = next((n for n in available_rescorers() if bundled.get(n) is not None), "none")
         if name == "none":
             print("hf-bpd: the checkpoint bundles no rescorer: rescored-draft analyses are left out", file=sys.stderr)
-    rescorer = None if name == "none" else resolve_rescorer(name, model)
-    if max(top_ks) > model.config.draft_vocab_size:
-        raise ValueError(f"--top-k values must be <= {model.config.draft_vocab_size} (the draft vocabulary)")
+    rescorer = None if name == "none" else resolve_rescorer(name, bundled, model)
+    if max(top_ks) > model.config.draft_size:
+        raise ValueError(f"--top-k values must be <= {model.config.draft_size} (the draft vocabulary)")
     records = analysis.run_analysis(model, tokenizer, questions, args.max_new_tokens, top_ks, rescorer,
-                                    min(args.rescore_top_k, model.config.draft_vocab_size), chat=args.chat,
+                                    min(args.rescore_top_k, model.config.draft_size), chat=args.chat,
                                     progress=not args.no_progress)
     summary = analysis.summarize_by_category(records)
     print(analysis.markdown_tables(summary, None if rescorer is None else name), end="")
@@ -302,14 +300,14 @@ def _add_common(p, model_default: str | None = "smollm2-135m-instruct", question
 def cmd_tune_alpha(args) -> int:
     import torch
 
-    from .tuning import ALPHA_GRID, tune_alpha
+    from .evaluation.tuning import ALPHA_GRID, tune_alpha
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_for_generation(args.model)
     rescorer = getattr(model, "bundled_rescorers", {}).get(args.rescorer)
     if rescorer is None:
         raise ValueError(f"{args.model} bundles no {args.rescorer} rescorer")
-    from .bench import encode_messages, load_questions
+    from .evaluation.bench import encode_messages, load_questions
 
     questions = load_questions(args.questions)[: args.limit]
     prompts = [encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}])["input_ids"]
@@ -343,12 +341,8 @@ def cmd_tune_alpha(args) -> int:
 
 
 def cmd_train(args, rest: list[str] | None = None) -> int:
-    """Run training/train_heads.py in this process (its options follow `train`)."""
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "training" / "train_heads.py").exists():
-        raise FileNotFoundError("training/train_heads.py not found: run hf-bpd train from a clone of the repository")
-    sys.path.insert(0, str(root))
-    from training.train_heads import main as train_main
+    """Run `hf_bpd.training.train_heads` in this process (its options follow `train`)."""
+    from .training.train_heads import main as train_main
 
     try:
         train_main(rest or [], prog="hf-bpd train")
@@ -358,6 +352,8 @@ def cmd_train(args, rest: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .rescorers import available_rescorers
+
     parser = _Parser(prog="hf-bpd", description="Blockwise parallel decoding for transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -376,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     gen.add_argument("--no-heads", action="store_true", help="plain decoding with the base model")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
-    gen.add_argument("--rescorer", choices=["none", "ngram", "neural"], default=None,
+    gen.add_argument("--rescorer", choices=["none", *available_rescorers()], default=None,
                      help="draft refinement: a rescorer bundled with the checkpoint, or none (the heads' scores); "
                           "default: the checkpoint's")
     gen.add_argument("--num-drafts", type=int, default=None, help="p: drafts verified together per step")
@@ -388,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also run the base's plain generate() (and plain BPD) and print a side-by-side table")
     gen.set_defaults(func=cmd_generate)
 
-    from .bench import METHODS
+    from .evaluation.bench import methods as bench_methods
 
     bench = sub.add_parser(
         "bench", help="decoding methods side by side on a prompt file (speed, block efficiency, exactness)",
@@ -400,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "transformers) are listed as skipped. --output writes every per-prompt figure as JSON.")
     _add_common(bench)
     bench.add_argument("--methods", default=None,
-                       help=f"comma-separated, from: {','.join(METHODS)} (default: all; ar always runs)")
+                       help=f"comma-separated, from: {','.join(bench_methods())} (default: all; ar always runs)")
     bench.add_argument("--multi-turn", action="store_true",
                        help="run every MT-bench turn as a conversation (earlier answers: ar's), not only turn 1")
     bench.add_argument("--tree", default="4,2,2,1", metavar="WIDTHS",
@@ -423,12 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(analyze, model_default=None)
     analyze.add_argument("--top-k", default="1,2,4,8,16", metavar="K1,K2,...",
                          help="lattice widths k for the oracle curve")
-    analyze.add_argument("--rescorer", choices=["ngram", "neural", "none"], default=None,
+    analyze.add_argument("--rescorer", choices=[*available_rescorers(), "none"], default=None,
                          help="bundled rescorer for rescored drafts (default: the first the checkpoint bundles)")
     analyze.add_argument("--rescore-top-k", type=int, default=16, help="lattice width the rescorer sees")
     analyze.set_defaults(func=cmd_analyze)
 
-    from .ngram import add_parser as add_build_ngram
+    from .rescorers.kenlm import add_parser as add_build_ngram
 
     add_build_ngram(sub)
 
@@ -438,13 +434,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "efficiency of the rescored drafts for every α of the grid (and entropy-adaptive α for the "
                     "n-gram rescorer); --save writes the best α into the checkpoint's config.json.")
     _add_common(tune, model_default=None)
-    tune.add_argument("--rescorer", choices=["ngram", "neural"], required=True)
+    tune.add_argument("--rescorer", choices=available_rescorers(), required=True)
     tune.add_argument("--grid", default=None, help="comma-separated α values (default: the paper's grid)")
     tune.add_argument("--draft-top-k", type=int, default=16, help="lattice width k")
     tune.add_argument("--save", action="store_true", help="store the chosen α in the checkpoint config")
     tune.set_defaults(func=cmd_tune_alpha)
 
-    train = sub.add_parser("train", help="train heads: runs training/train_heads.py (see its --help)",
+    train = sub.add_parser("train", help="train heads: runs hf_bpd.training.train_heads (training/train_heads.py; see its --help)",
                            add_help=False)
     train.set_defaults(func=cmd_train)
     return parser

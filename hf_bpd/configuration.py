@@ -26,16 +26,23 @@ class BlockwiseParallelConfig(PretrainedConfig):
         head_intermediate_size (`int`, *optional*): hidden width of an `"ffn"` head (default: the base's hidden size).
         tie_head_projection (`bool`): heads share the base's output embedding (`True`) or own a projection
             initialised from it (`False`).
-        draft_vocab (`list[int]`, *optional*): token ids the heads score over. Restricting heads to frequent tokens
-            cuts the cost of the output projection, which dominates a head on small models.
+        draft_vocab_size (`int`, *optional*): size of the draft vocabulary, the token ids the heads score over
+            (None: the full vocabulary). Restricting heads to frequent tokens cuts the cost of the output projection,
+            which dominates a head on small models. The ids themselves are stored with the heads' weights
+            (`heads.safetensors`, tensor `draft_vocab`), not here.
+        draft_vocab (`list[int]`, *optional*): the draft vocabulary's token ids when building fresh heads
+            (`from_base(..., draft_vocab=ids)`); read from old checkpoints' config.json; never written to it.
         head_loss_weights (`list[float]`, *optional*): the paper's λ_h (App. C.1); default 1.0 for every head.
         base_model_name_or_path (`str`): what `hf_bpd.load_base` loads when no base model is passed.
         base_model_fingerprint (`str`): `hf_bpd.fingerprint(base)` of the base the heads were trained on.
         text_config (`dict` or `PretrainedConfig`): the base model's config (used for caches and validation).
-        draft_top_k, num_drafts, rescorer, rescorer_alpha: default decoding settings for `generate()`.
-        rescorers (`dict`): rescorers bundled with the checkpoint, by name (`"ngram"`, `"neural"`): each a dict with
-            the file/directory `path` (relative to the checkpoint), the tuned interpolation weight `alpha`, and
-            type-specific fields (`order`; `type`, `num_layers`).
+        rescorers (`dict`): rescorers bundled with the checkpoint, by registered name (`"ngram"`, `"neural"`, ...):
+            each a dict with the file/directory `path` (relative to the checkpoint), the tuned interpolation weight
+            `alpha`, and type-specific fields (`order`; `type`, `num_layers`).
+
+    Decoding settings (`rescorer`, `draft_top_k`, `num_drafts`, ...) are generation options: they live in the
+    checkpoint's `generation_config.json` (`hf_bpd.BlockwiseGenerationConfig`). Old checkpoints that kept them here
+    still load (`legacy_generation_options`).
         base_adapter (`str`, *optional*): a peft LoRA adapter for the base (Medusa-2 training), merged into the base
             on load.
     """
@@ -50,15 +57,12 @@ class BlockwiseParallelConfig(PretrainedConfig):
         num_layers_per_head: int = 1,
         head_intermediate_size: int | None = None,
         tie_head_projection: bool = True,
+        draft_vocab_size: int | None = None,
         draft_vocab: list[int] | None = None,
         head_loss_weights: list[float] | None = None,
         base_model_name_or_path: str | None = None,
         base_model_fingerprint: str | None = None,
         text_config: dict | PretrainedConfig | None = None,
-        draft_top_k: int | None = None,
-        num_drafts: int = 1,
-        rescorer: str | None = None,
-        rescorer_alpha: float | None = None,
         rescorers: dict | None = None,
         base_adapter: str | None = None,
         **kwargs,
@@ -73,15 +77,21 @@ class BlockwiseParallelConfig(PretrainedConfig):
         self.head_intermediate_size = head_intermediate_size
         self.tie_head_projection = tie_head_projection
         self.draft_vocab = None if draft_vocab is None else [int(i) for i in draft_vocab]
+        if self.draft_vocab is not None:
+            if draft_vocab_size is not None and draft_vocab_size != len(self.draft_vocab):
+                raise BPDConfigError(f"draft_vocab_size={draft_vocab_size} but draft_vocab holds {len(self.draft_vocab)} "
+                                     "ids: pass one of them")
+            draft_vocab_size = len(self.draft_vocab)
+        self.draft_vocab_size = draft_vocab_size
         self.head_loss_weights = (
             [1.0] * num_heads if head_loss_weights is None else [float(w) for w in head_loss_weights]
         )
         self.base_model_name_or_path = base_model_name_or_path
         self.base_model_fingerprint = base_model_fingerprint
-        self.draft_top_k = draft_top_k
-        self.num_drafts = num_drafts
-        self.rescorer = rescorer
-        self.rescorer_alpha = rescorer_alpha
+        # Decoding settings that old checkpoints kept here; from_pretrained moves them to the generation config.
+        self.legacy_generation_options = {k: kwargs.pop(k) for k in ("draft_top_k", "num_drafts", "rescorer")
+                                          if k in kwargs}
+        kwargs.pop("rescorer_alpha", None)
         self.rescorers = rescorers or {}
         self.base_adapter = base_adapter
         kwargs.setdefault("tie_word_embeddings", False)
@@ -103,8 +113,15 @@ class BlockwiseParallelConfig(PretrainedConfig):
         return self.num_heads + 1
 
     @property
-    def draft_vocab_size(self) -> int | None:
-        return len(self.draft_vocab) if self.draft_vocab is not None else self.vocab_size
+    def draft_size(self) -> int | None:
+        """Tokens a head scores over: the draft vocabulary's size, else the base vocabulary's."""
+        return self.draft_vocab_size if self.draft_vocab_size is not None else self.vocab_size
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        out.pop("draft_vocab", None)  # stored with the heads' weights
+        out.pop("legacy_generation_options", None)
+        return out
 
     def validate_heads(self) -> None:
         """Raise `BPDConfigError` (one line, naming the fix) when the head settings are inconsistent."""
@@ -133,13 +150,15 @@ class BlockwiseParallelConfig(PretrainedConfig):
                         f"draft_vocab holds token ids outside the base vocabulary [0, {self.vocab_size}): "
                         f"{bad[:5]}{' ...' if len(bad) > 5 else ''}; pass ids from the base tokenizer"
                     )
-        if self.draft_top_k is not None and (not isinstance(self.draft_top_k, int) or self.draft_top_k < 1):
-            raise BPDConfigError(f"draft_top_k must be an integer >= 1, got {self.draft_top_k!r}")
+        if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int) or not
+                                                  1 <= self.draft_vocab_size <= (self.vocab_size or 1 << 62)):
+            raise BPDConfigError(f"draft_vocab_size must be an integer in [1, {self.vocab_size}] (the base vocabulary), "
+                                 f"got {self.draft_vocab_size!r}")
+        from .rescorers.base import available_rescorers
+
         for name, spec in self.rescorers.items():
-            if name not in ("ngram", "neural") or not isinstance(spec, dict) or "path" not in spec:
-                raise BPDConfigError(f"bad bundled rescorer {name!r}: rescorers maps 'ngram'/'neural' to "
-                                     "{'path': ..., 'alpha': ...}")
+            if name not in available_rescorers() or not isinstance(spec, dict) or "path" not in spec:
+                raise BPDConfigError(f"bad bundled rescorer {name!r}: rescorers maps a registered rescorer name "
+                                     f"({', '.join(available_rescorers())}) to {{'path': ..., 'alpha': ...}}")
             if float(spec.get("alpha", 1.0)) < 0:
                 raise BPDConfigError(f"the {name} rescorer's alpha must be >= 0, got {spec['alpha']}")
-        if not isinstance(self.num_drafts, int) or self.num_drafts < 1:
-            raise BPDConfigError(f"num_drafts must be an integer >= 1, got {self.num_drafts!r}")

@@ -2,10 +2,37 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+from transformers.utils import ModelOutput
 
 from .configuration import BlockwiseParallelConfig
+
+
+@dataclass
+class BlockwiseParallelOutput(ModelOutput):
+    """
+    Args:
+        loss: `sum_h lambda_h * L_h` (+ `base_loss_weight * base_loss`), when `labels` were given.
+        base_loss: next-token cross-entropy of the base model, when `labels` were given.
+        head_losses: `(num_heads,)` cross-entropy of each head, when `labels` were given.
+        logits: `(batch, seq, vocab)` base next-token logits (positions cut by `logits_to_keep` as in the base).
+        head_logits: `(batch, num_heads, seq, draft_vocab_size)`: head `h` at position `t` scores token `t + 1 + h`.
+        last_hidden_state: `(batch, seq, hidden)` the input of the base's output layer, which the heads read.
+        past_key_values, hidden_states, attentions: as returned by the base model.
+    """
+
+    loss: torch.FloatTensor | None = None
+    base_loss: torch.FloatTensor | None = None
+    head_losses: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    head_logits: torch.FloatTensor | None = None
+    last_hidden_state: torch.FloatTensor | None = None
+    past_key_values: object | None = None
+    hidden_states: tuple | None = None
+    attentions: tuple | None = None
 
 
 class ResBlock(nn.Module):
@@ -62,7 +89,7 @@ class DraftHead(nn.Module):
         self.blocks = nn.Sequential(*blocks)
         self.projection = None
         if not config.tie_head_projection:
-            self.projection = nn.Linear(d, config.draft_vocab_size, bias=False)
+            self.projection = nn.Linear(d, config.draft_size, bias=False)
             if init_projection is not None:
                 with torch.no_grad():
                     self.projection.weight.copy_(init_projection)
@@ -84,8 +111,11 @@ class DraftHeads(nn.Module):
         # The base's output layer is shared, never copied: it is looked up at call time (a tied or LoRA'd lm_head
         # keeps working) and is not part of this module's state dict.
         self._output_embeddings = [output_embeddings]
-        if config.draft_vocab is not None:
-            self.register_buffer("draft_vocab", torch.tensor(config.draft_vocab, dtype=torch.long), persistent=False)
+        # The draft vocabulary's token ids are part of the heads' state (saved in heads.safetensors).
+        if config.draft_vocab_size is not None:
+            ids = (torch.tensor(config.draft_vocab, dtype=torch.long) if config.draft_vocab is not None
+                   else torch.zeros(config.draft_vocab_size, dtype=torch.long))  # filled by load_state_dict
+            self.register_buffer("draft_vocab", ids)
         else:
             self.draft_vocab = None
         init = None
@@ -140,6 +170,34 @@ class DraftHeads(nn.Module):
     def to_vocab_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map indices into the draft vocabulary to base token ids (identity without a draft vocabulary)."""
         return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]
+
+    def loss(self, hidden: torch.Tensor, labels: torch.Tensor, weights, num_heads: int | None = None,
+             return_stats: bool = False):
+        """The BPD training loss (paper App. C.1): `sum_i weights[i] * CE_i`, head `i` (0-based) at position `t`
+        scored on `labels[t + 2 + i]` (labels of -100 and tokens outside the draft vocabulary are ignored).
+
+        Returns `(loss, per-head losses)`, plus `[(positions, top-1 hits, top-5 hits)]` per head with `return_stats`.
+        Only the scored positions go through the heads' output projection.
+        """
+        n = len(self.heads) if num_heads is None else num_heads
+        losses, stats = [], []
+        for i in range(n):
+            shift = i + 2
+            targets = self.to_draft_ids(labels[:, shift:])
+            keep = targets != -100
+            if not keep.any():
+                losses.append(hidden.sum() * 0.0)  # still part of the graph
+                stats.append((0, 0, 0))
+                continue
+            logits = self.head_logits(i, hidden[:, : hidden.shape[1] - shift][keep])
+            losses.append(nn.functional.cross_entropy(logits.float(), targets[keep]))
+            if return_stats:
+                top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
+                stats.append((int(keep.sum()), int((top5[:, 0] == targets[keep]).sum()),
+                              int((top5 == targets[keep][:, None]).any(-1).sum())))
+        losses = torch.stack(losses)
+        loss = (torch.tensor(list(weights)[:n], dtype=losses.dtype, device=losses.device) * losses).sum()
+        return (loss, losses, stats) if return_stats else (loss, losses)
 
     def to_draft_ids(self, token_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Map base token ids to draft-vocabulary indices; ids outside the draft vocabulary become `ignore_index`."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_bpd import BlockwiseParallelForCausalLM, Lattice, Rescorer
-from hf_bpd.analysis import (
+from hf_bpd.evaluation.analysis import (
     accepted_length,
     analyze_prompt,
     consecutive_repetition,

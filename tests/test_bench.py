@@ -8,8 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_bpd
 from hf_bpd import BlockwiseParallelForCausalLM
-from hf_bpd.bench import (
-    METHODS,
+from hf_bpd.evaluation.bench import (
     BenchOptions,
     decode_ar,
     default_decoders,
@@ -21,6 +20,8 @@ from hf_bpd.bench import (
     run_bench,
 )
 from hf_bpd.errors import BPDConfigError
+
+METHODS = list(default_decoders())
 
 SUMMARY_KEYS = {"method", "category", "samples", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_ar",
                 "block_efficiency", "serial_calls", "mean_accepted", "draft_share", "exact", "exact_rate"}
@@ -241,7 +242,7 @@ def test_rescored_methods_run_when_a_rescorer_is_bundled(loaded, tmp_path):
 
 @pytest.mark.parametrize("method", ["pld", "early-exit"])
 def test_assisted_serial_calls_are_full_depth_base_forwards(loaded, method):
-    """pld / early-exit statistics (from transformers' candidate generator) agree with a forward hook on the base."""
+    """pld / early-exit statistics (recorded with module hooks) agree with an independent forward hook on the base."""
     model, tokenizer = loaded
     base = model.base_lm
     full = base.config.num_hidden_layers
@@ -256,17 +257,18 @@ def test_assisted_serial_calls_are_full_depth_base_forwards(loaded, method):
     assert stats.new_tokens == out.shape[1] - inputs["input_ids"].shape[1] == 16
     assert stats.new_tokens == stats.serial_calls + sum(stats.accepted_lengths)
     assert (full - 1 in depths) == (method == "early-exit")  # early exit drafts with the first layer
-    assert stats.draft_seconds > 0 and len(stats.draft_tokens) == stats.serial_calls
-    assert "_get_candidate_generator" not in base.__dict__  # the instrumentation is removed afterwards
+    assert all(a >= 0 for a in stats.accepted_lengths)
+    # the recorder's hooks are removed afterwards (only the test's own was still there)
+    assert not base._forward_pre_hooks and not base.model.layers[-1]._forward_hooks
 
 
 def test_method_names_do_not_follow_the_checkpoints_own_defaults(checkpoint):
     """A checkpoint whose config asks for 3 drafts by default: `bpd` still means one argmax chain draft."""
-    from hf_bpd.bench import default_decoders
+    from hf_bpd.evaluation.bench import default_decoders
 
     _, heads_dir = checkpoint
     model = BlockwiseParallelForCausalLM.from_pretrained(heads_dir)
-    model.config.num_drafts = 3
+    model.generation_config.num_drafts = 3
     decoders = default_decoders()
     inputs = {"input_ids": torch.tensor([[5, 6, 7, 8]])}
     assert decoders["bpd"](model, inputs, 6)[1].method == "chain"

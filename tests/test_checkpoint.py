@@ -8,8 +8,8 @@ import torch
 
 import hf_bpd
 from hf_bpd import BlockwiseParallelForCausalLM
-from hf_bpd.neural import NeuralRescorer
-from hf_bpd.ngram import NgramRescorer
+from hf_bpd.rescorers.neural import NeuralRescorer
+from hf_bpd.rescorers.ngram import NgramRescorer
 
 CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct-bpd"
 PROMPTS = [  # held-out style instructions (not in the training prompts)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_bpd import BlockwiseParallelForCausalLM, BPDConfigError, Lattice
-from hf_bpd.neural import NeuralRescorer
+from hf_bpd.rescorers.neural import NeuralRescorer
 from tests.conftest import ARCHS, VOCAB, tiny_base
 from tests.test_decoding import prompt_ids, random_bpd
 
@@ -101,7 +101,7 @@ def test_bundled_neural_rescorers_round_trip(tmp_path, tiny_base_dir):
     """A checkpoint bundles a neural rescorer (a full small LM, or a LoRA over the base's first layers)."""
     from peft import LoraConfig, get_peft_model
 
-    from hf_bpd.neural import truncated_base
+    from hf_bpd.rescorers.neural import truncated_base
 
     base = BlockwiseParallelForCausalLM.from_base(str(tiny_base_dir), num_heads=2).base_lm
     model = BlockwiseParallelForCausalLM.from_base(base, num_heads=2)

@@ -14,8 +14,9 @@ import torch
 
 import hf_bpd
 from hf_bpd import BlockwiseParallelForCausalLM, BPDConfigError, HeadScoreRescorer, Lattice, NgramRescorer
-from hf_bpd import ngram
-from hf_bpd.ngram import KenLMNotFoundError, NgramError
+from hf_bpd.rescorers import kenlm as bpd_kenlm
+from hf_bpd.rescorers import ngram
+from hf_bpd.rescorers.kenlm import KenLMNotFoundError, NgramError
 from tests.conftest import VOCAB, tiny_base
 
 V = 24  # synthetic corpus vocabulary: ids 0..V-1; larger ids are unseen (<unk>)
@@ -40,7 +41,7 @@ def models(tmp_path_factory):
     """Order -> KenLM trie binary of the Markov corpus."""
     root = tmp_path_factory.mktemp("ngram")
     corpus = markov_corpus(root / "ids.txt")
-    return {order: ngram.build_ngram_from_ids(corpus, root / f"m{order}.bin", order, memory="50M",
+    return {order: bpd_kenlm.build_ngram_from_ids(corpus, root / f"m{order}.bin", order, memory="50M",
                                               discount_fallback=True) for order in (2, 3, 4)}
 
 
@@ -50,11 +51,11 @@ def model_kinds(tmp_path_factory, models):
     root = tmp_path_factory.mktemp("kinds")
     corpus = markov_corpus(root / "ids.txt")
     kinds = {"trie": models[4]}
-    kinds["probing"] = ngram.build_ngram_from_ids(corpus, root / "probing.bin", 4, memory="50M",
+    kinds["probing"] = bpd_kenlm.build_ngram_from_ids(corpus, root / "probing.bin", 4, memory="50M",
                                                   discount_fallback=True, binary_type="probing")
-    kinds["quantized"] = ngram.build_ngram_from_ids(corpus, root / "quantized.bin", 4, memory="50M",
+    kinds["quantized"] = bpd_kenlm.build_ngram_from_ids(corpus, root / "quantized.bin", 4, memory="50M",
                                                     discount_fallback=True, quantize=8)
-    subprocess.run([ngram.kenlm_binary("lmplz"), "-o", "4", "-S", "50M", "--discount_fallback", "--text", corpus,
+    subprocess.run([bpd_kenlm.kenlm_binary("lmplz"), "-o", "4", "-S", "50M", "--discount_fallback", "--text", corpus,
                     "--arpa", root / "model.arpa"], check=True, capture_output=True)
     kinds["arpa"] = root / "model.arpa"
     return kinds
@@ -62,7 +63,7 @@ def model_kinds(tmp_path_factory, models):
 
 def rescorer(path, backend, **kwargs):
     if backend == "compiled":
-        assert ngram.load_fast_path() is not None, "the compiled n-gram rescorer is not built: run bash install.sh"
+        assert bpd_kenlm.load_fast_path() is not None, "the compiled n-gram rescorer is not built: run bash install.sh"
     return NgramRescorer(path, backend=backend, **kwargs)
 
 
@@ -209,7 +210,7 @@ def test_build_ngram_with_the_smollm2_tokenizer(tmp_path, tokenizer):
     with gzip.open(text, "wt") as f:
         for i in range(20):
             f.write(f'<doc id="{i}" url="x" title="t">\n\n' + "\n".join(SENTENCES) + "\n</doc>\n")
-    path = ngram.build_ngram(text, tokenizer, tmp_path / "lm.bin", order=3, discount_fallback=True,
+    path = bpd_kenlm.build_ngram(text, tokenizer, tmp_path / "lm.bin", order=3, discount_fallback=True,
                              strip_wiki_markup=True, memory="50M", progress=False)
     scorer = NgramRescorer(path, alpha=1.0)
     assert scorer.model_order == 3
@@ -228,15 +229,15 @@ def test_token_id_files_from_text_json_and_datasets(tmp_path, tokenizer):
     text = tmp_path / "a.txt"
     text.write_text('<doc id="1">\nHello world.\n\n   \nSecond line here.\n</doc>\nThird.\n')
     out = tmp_path / "ids.txt"
-    assert ngram.write_token_ids(text, tokenizer, out, strip_wiki_markup=True, progress=False)[0] == 3
+    assert bpd_kenlm.write_token_ids(text, tokenizer, out, strip_wiki_markup=True, progress=False)[0] == 3
     first = out.read_text().splitlines()[0]
     assert first == " ".join(map(str, tokenizer("Hello world.", add_special_tokens=False)["input_ids"]))
-    assert ngram.write_token_ids([text], tokenizer, out, max_lines=2, progress=False)[0] == 2
+    assert bpd_kenlm.write_token_ids([text], tokenizer, out, max_lines=2, progress=False)[0] == 2
     records = tmp_path / "b.jsonl"
     records.write_text("".join(json.dumps({"content": s}) + "\n" for s in SENTENCES))
-    assert ngram.write_token_ids(records, tokenizer, out, json_field="content", progress=False)[0] == 5
+    assert bpd_kenlm.write_token_ids(records, tokenizer, out, json_field="content", progress=False)[0] == 5
     dataset = datasets.Dataset.from_dict({"text": SENTENCES})
-    lines, tokens = ngram.write_token_ids(dataset, tokenizer, out, progress=False)
+    lines, tokens = bpd_kenlm.write_token_ids(dataset, tokenizer, out, progress=False)
     assert lines == 5 and tokens == sum(len(tokenizer(s, add_special_tokens=False)["input_ids"]) for s in SENTENCES)
 
 
@@ -244,10 +245,10 @@ def test_cli_builds_a_quantized_model(tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("\n".join(SENTENCES * 20) + "\n")
     out = tmp_path / "q.bin"
-    assert ngram.cli_build_ngram(["--text", str(text), "--order", "2", "--memory", "50M", "--discount-fallback",
+    assert bpd_kenlm.cli_build_ngram(["--text", str(text), "--order", "2", "--memory", "50M", "--discount-fallback",
                                   "--quantize", "8", "--output", str(out)]) == 0
     assert NgramRescorer(out).model_order == 2
-    assert ngram.cli_build_ngram(["--text", str(tmp_path / "missing.txt"), "--output", str(out)]) == 2
+    assert bpd_kenlm.cli_build_ngram(["--text", str(tmp_path / "missing.txt"), "--output", str(out)]) == 2
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert message.startswith("build_ngram: error: no text file")
 
@@ -296,40 +297,40 @@ def test_bad_num_drafts(models, backend, p):
 def test_missing_kenlm_programs(tmp_path, monkeypatch, tokenizer):
     monkeypatch.setenv("HF_BPD_KENLM_BIN", str(tmp_path))
     with pytest.raises(KenLMNotFoundError) as err:
-        ngram.build_ngram(datasets.Dataset.from_dict({"text": SENTENCES}), tokenizer, tmp_path / "x.bin")
+        bpd_kenlm.build_ngram(datasets.Dataset.from_dict({"text": SENTENCES}), tokenizer, tmp_path / "x.bin")
     one_line(err, "lmplz is not in HF_BPD_KENLM_BIN")
     assert "install.sh" in str(err.value)
     monkeypatch.delenv("HF_BPD_KENLM_BIN")
     monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path))
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(KenLMNotFoundError) as err:
-        ngram.kenlm_binary("build_binary")
+        bpd_kenlm.kenlm_binary("build_binary")
     one_line(err, "run `bash install.sh`")
 
 
 def test_bad_build_inputs(tmp_path, tokenizer):
     dataset = datasets.Dataset.from_dict({"text": SENTENCES})
     with pytest.raises(BPDConfigError) as err:
-        ngram.build_ngram(dataset, tokenizer, tmp_path / "x.bin", order=6)
+        bpd_kenlm.build_ngram(dataset, tokenizer, tmp_path / "x.bin", order=6)
     one_line(err, "order must be an integer in [2, 5]")
     with pytest.raises(NgramError) as err:
-        ngram.build_ngram(tmp_path / "missing.txt", tokenizer, tmp_path / "x.bin")
+        bpd_kenlm.build_ngram(tmp_path / "missing.txt", tokenizer, tmp_path / "x.bin")
     one_line(err, "no text file")
     with pytest.raises(NgramError) as err:
-        ngram.build_ngram(datasets.Dataset.from_dict({"text": ["one two three four"] * 3}), tokenizer,
+        bpd_kenlm.build_ngram(datasets.Dataset.from_dict({"text": ["one two three four"] * 3}), tokenizer,
                           tmp_path / "x.bin", order=3, memory="50M", progress=False)
     one_line(err, "pass discount_fallback=True")
     with pytest.raises(NgramError) as err:
-        ngram.build_ngram(datasets.Dataset.from_dict({"text": ["", "  "]}), tokenizer, tmp_path / "x.bin",
+        bpd_kenlm.build_ngram(datasets.Dataset.from_dict({"text": ["", "  "]}), tokenizer, tmp_path / "x.bin",
                           progress=False)
     one_line(err, "the input is empty")
     assert not (tmp_path / "x.bin").exists()
 
 
 def test_python_fallback_warns_once(models, tmp_path, monkeypatch):
-    monkeypatch.setattr(ngram, "_library", None)
+    monkeypatch.setattr(bpd_kenlm, "_library", None)
     monkeypatch.setattr(ngram, "_warned_python", False)
-    monkeypatch.setattr(ngram, "fast_path_file", lambda: tmp_path / "absent.so")
+    monkeypatch.setattr(bpd_kenlm, "fast_path_file", lambda: tmp_path / "absent.so")
     with pytest.raises(KenLMNotFoundError) as err:
         NgramRescorer(models[2], backend="compiled")
     one_line(err, "install.sh")
@@ -358,7 +359,7 @@ def bpd_and_ngram(tmp_path_factory):
             prompt = torch.randint(3, VOCAB, (1, 4), generator=torch.Generator().manual_seed(seed))
             out = model.base_lm.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)
             f.write(" ".join(map(str, out[0].tolist())) + "\n")
-    return model, ngram.build_ngram_from_ids(root / "ids.txt", root / "lm.bin", 3, memory="50M",
+    return model, bpd_kenlm.build_ngram_from_ids(root / "ids.txt", root / "lm.bin", 3, memory="50M",
                                              discount_fallback=True)
 
 

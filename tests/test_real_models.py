@@ -5,7 +5,7 @@ import torch
 
 import hf_bpd
 from hf_bpd import BaseModelError, BlockwiseParallelForCausalLM
-from hf_bpd.base_models import PACKAGED_MODELS, PackagedModel
+from hf_bpd.hub.base_models import PACKAGED_MODELS, PackagedModel
 
 PROMPTS = [
     "The capital of France is",

@@ -15,8 +15,8 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_bpd
-from hf_bpd.data import conversation_messages, tokenize_conversation
-from hf_bpd.training import build_examples, cache_hidden_states, latest_checkpoint, save_checkpoint
+from hf_bpd.training.data import conversation_messages, tokenize_conversation
+from hf_bpd.training.hidden_states import build_examples, cache_hidden_states, latest_checkpoint, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,7 @@ def test_accelerate_launch_smoke_loss_goes_down(tmp_path, tiny_chat_base, tiny_d
     assert len(log) == 36  # 3 epochs x ceil(44 training examples / batch 4): every epoch runs
     assert sum(list(log.values())[-5:]) / 5 < 0.85 * sum(list(log.values())[:5]) / 5
     model = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(out)
-    assert model.config.num_heads == 2 and len(model.config.draft_vocab) == 64
+    assert model.config.num_heads == 2 and model.config.draft_vocab_size == 64
     card = (out / "README.md").read_text()
     assert "## Training" in card and "top-1" in card
     training = json.loads((out / "training.json").read_text())
@@ -258,7 +258,7 @@ def test_lora_base_mode_changes_only_lora_and_heads(tmp_path, tiny_chat_base, ti
 def test_self_distill_is_batched_resumable_and_deterministic(tmp_path, tiny_chat_base, tiny_data):
     """Interrupting after 3 prompts and running again generates only the rest; the file equals one full run, and
     prompts of an --exclude file are never distilled."""
-    from training.self_distill import main as self_distill
+    from hf_bpd.training.self_distill import main as self_distill
 
     held_out = tmp_path / "dev.jsonl"
     held_out.write_text(json.dumps({"question_id": "d", "category": "x", "turns": ["Count 4"]}) + "\n")
@@ -280,7 +280,7 @@ def test_self_distill_is_batched_resumable_and_deterministic(tmp_path, tiny_chat
 
 
 def test_tune_rescorers_smoke_bundles_the_better_ngram_and_sets_the_default(tmp_path, tiny_chat_base, tokenizer):
-    from hf_bpd import ngram
+    from hf_bpd.rescorers import kenlm as bpd_kenlm
 
     base = AutoModelForCausalLM.from_pretrained(tiny_chat_base).eval()
     answers = []
@@ -307,7 +307,7 @@ def test_tune_rescorers_smoke_bundles_the_better_ngram_and_sets_the_default(tmp_
     (tmp_path / "answers.txt").write_text("".join((" ".join(map(str, a)) + "\n") * 5 for a in answers))
     (tmp_path / "noise.txt").write_text("".join(" ".join(str(vocab[(i * 13 + j * 7) % len(vocab)]) for j in range(12)) + "\n"
                                                 for i in range(60)))
-    lms = [ngram.build_ngram_from_ids(tmp_path / f"{name}.txt", tmp_path / f"{name}.bin", 3, memory="50M",
+    lms = [bpd_kenlm.build_ngram_from_ids(tmp_path / f"{name}.txt", tmp_path / f"{name}.bin", 3, memory="50M",
                                       discount_fallback=True) for name in ("noise", "answers")]
     result = subprocess.run([sys.executable, str(ROOT / "training" / "tune_rescorers.py"), "--checkpoint",
                              str(checkpoint), "--questions", str(questions), "--max-new-tokens", "16", "--threads",
@@ -321,7 +321,7 @@ def test_tune_rescorers_smoke_bundles_the_better_ngram_and_sets_the_default(tmp_
     loaded = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(checkpoint)
     spec = loaded.config.rescorers["ngram"]
     assert (checkpoint / spec["path"]).is_file() and spec["alpha"] == report["answers.bin"]["alpha"]
-    assert spec["order"] == 3 and loaded.config.rescorer == "ngram"
+    assert spec["order"] == 3 and loaded.generation_config.rescorer == "ngram"
     prompt = tokenizer("Count to 5", return_tensors="pt")
     reference = base.generate(**prompt, max_new_tokens=20, do_sample=False)
     assert torch.equal(loaded.generate(**prompt, max_new_tokens=20), reference)  # the default: rescorer="ngram"

@@ -8,7 +8,7 @@ Needs KenLM's lmplz and build_binary (`bash install.sh` builds them). Same optio
 
 import sys
 
-from hf_bpd.ngram import cli_build_ngram
+from hf_bpd.rescorers.kenlm import cli_build_ngram
 
 if __name__ == "__main__":
     sys.exit(cli_build_ngram())

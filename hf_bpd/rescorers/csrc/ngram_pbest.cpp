@@ -1,5 +1,5 @@
 // Exact p-best paths through a top-k lattice under head log-probabilities plus a weighted KenLM n-gram score:
-// the compiled fast path of hf_bpd.ngram (`pbest_python` there is the reference: same search, same arithmetic,
+// the compiled fast path of hf_bpd.rescorers.ngram (`pbest_python` there is the reference: same search, same arithmetic,
 // same tie-breaking, so both return identical drafts). Loaded with ctypes; C ABI at the bottom.
 //
 // Dynamic programming over heads. Paths that reach the same KenLM state have identical futures (KenLM states are

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .lattice import Lattice
+from ..lattice import Lattice
 
 DEFAULT_TOP_KS = (1, 2, 4, 8, 16)
 
@@ -223,7 +223,7 @@ def analyze_prompt(model, input_ids: torch.Tensor, max_new_tokens: int, top_ks: 
     if steps <= 0:
         return record
     num_heads = model.config.num_heads
-    width = min(max(ks + ([rescore_top_k] if rescorer is not None else [])), model.config.draft_vocab_size)
+    width = min(max(ks + ([rescore_top_k] if rescorer is not None else [])), model.config.draft_size)
     # hidden state at position q predicts sequence[q + 1] (base) and sequence[q + 2 + i] (head i)
     out = model(reference[:, : prompt_length - 1 + steps], return_head_logits=False)
     hidden = out.last_hidden_state[0, prompt_length - 1:]

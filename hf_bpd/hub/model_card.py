@@ -6,13 +6,17 @@ from importlib.resources import files
 from pathlib import Path
 from string import Template
 
+from ..generation.config import DRAFTING_OPTIONS
+from ..rescorers.base import available_rescorers
+
 
 def render_model_card(model, repo: str | None = None, extra: str = "") -> str:
     """Markdown model card for a `BlockwiseParallelForCausalLM`; `extra` is appended (results, training data)."""
     config = model.config
     base = config.base_model_name_or_path or "unknown"
     template = Template((files("hf_bpd.model_cards") / "template.md").read_text())
-    vocab = "full vocabulary" if config.draft_vocab is None else f"{len(config.draft_vocab)} token ids"
+    generation = model.generation_config
+    vocab = "full vocabulary" if config.draft_vocab_size is None else f"{config.draft_vocab_size} token ids"
     return template.safe_substitute(
         title=f"BPD heads for {base}",
         base_model=base,
@@ -26,10 +30,8 @@ def render_model_card(model, repo: str | None = None, extra: str = "") -> str:
         fingerprint=config.base_model_fingerprint,
         draft_vocab=vocab,
         head_loss_weights=", ".join(f"{w:g}" for w in config.head_loss_weights),
-        draft_top_k=config.draft_top_k,
-        num_drafts=config.num_drafts,
-        rescorer=config.rescorer,
-        rescorer_alpha=config.rescorer_alpha,
+        default_decoding=", ".join(f"{name}={getattr(generation, name, None)!r}" for name in DRAFTING_OPTIONS),
+        rescorers=", ".join(f"`{name}`" for name in available_rescorers()),
         bundled=", ".join(f"`{name}` ({spec['path']}, α={spec.get('alpha')})" for name, spec in
                           sorted(config.rescorers.items())) or "none",
         repo=repo or "path/to/this/checkpoint",

@@ -15,11 +15,12 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
-from .errors import BPDConfigError
-from .lattice import Draft, Lattice
-from .rescoring import Rescorer
+from ..errors import BPDConfigError
+from ..lattice import Draft, Lattice
+from .base import Rescorer, register_rescorer
 
 
+@register_rescorer("neural")
 class NeuralRescorer(Rescorer):
     """Greedy local rescoring with a small causal LM.
 
@@ -43,6 +44,23 @@ class NeuralRescorer(Rescorer):
         softcap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
         self.softcap = float(softcap) if softcap else None
         self.reset()
+
+    @classmethod
+    def from_bundle(cls, base_model, path, alpha: float = 1.0, type: str = "model", num_layers: int | None = None,
+                    **fields) -> "NeuralRescorer":
+        """A bundled neural rescorer: `type="base_prefix"` is a LoRA adapter directory over the base's first
+        `num_layers` layers; `type="model"` is any causal LM directory with the base vocabulary."""
+        if type == "base_prefix":
+            from peft import PeftModel
+
+            if not isinstance(num_layers, int):
+                raise BPDConfigError("a base_prefix neural rescorer needs num_layers (the base layers it reuses)")
+            lm = PeftModel.from_pretrained(truncated_base(base_model, num_layers), path).merge_and_unload()
+        elif type == "model":
+            lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        else:
+            raise BPDConfigError(f"unknown neural rescorer type {type!r}: use 'base_prefix' or 'model'")
+        return cls(lm, alpha=alpha)
 
     @property
     def vocab_size(self) -> int:
@@ -133,18 +151,3 @@ def truncated_base(base: PreTrainedModel, num_layers: int) -> PreTrainedModel:
         raise BPDConfigError(f"cannot derive a rescorer from {type(base).__name__}: no weights for {missing[:2]}")
     small.load_state_dict({k: state[k] for k in small.state_dict()})
     return small.eval()
-
-
-def load_bundled_neural(base: PreTrainedModel, directory, spec: dict) -> NeuralRescorer:
-    """The neural rescorer a checkpoint bundles: `{"type": "base_prefix", "num_layers": n, "path": adapter dir}` (a
-    LoRA over the base's first layers) or `{"type": "model", "path": dir}` (any causal LM with the base vocabulary)."""
-    from pathlib import Path
-
-    path = Path(directory) / spec["path"]
-    if spec.get("type", "model") == "base_prefix":
-        from peft import PeftModel
-
-        lm = PeftModel.from_pretrained(truncated_base(base, int(spec["num_layers"])), path).merge_and_unload()
-    else:
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return NeuralRescorer(lm, alpha=float(spec.get("alpha", 1.0)))

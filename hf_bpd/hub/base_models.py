@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from .errors import BaseModelError
+from ..errors import BaseModelError
 
 
 def cache_dir() -> Path:
@@ -139,6 +139,21 @@ def check_causal_lm(model) -> None:
     if not causal:
         raise BaseModelError(f"{name} is not a decoder-only causal LM: load the base with "
                              "AutoModelForCausalLM.from_pretrained(...)")
+
+
+def check_fingerprint(base_model, expected: str | None, where, ignore_mismatch: bool = False) -> None:
+    """Raise `BaseModelError` (or only warn, with `ignore_mismatch`) when `base_model` is not the base the heads in
+    `where` were saved with."""
+    actual = fingerprint(base_model)
+    if expected and actual != expected:
+        message = (f"the heads in {where} were trained on another base model (fingerprint {expected}, this base has "
+                   f"{actual}): load the base they were saved with or pass ignore_fingerprint_mismatch=True to use "
+                   "them anyway")
+        if not ignore_mismatch:
+            raise BaseModelError(message)
+        import warnings
+
+        warnings.warn(message, stacklevel=3)
 
 
 def fingerprint(model: PreTrainedModel, samples_per_tensor: int = 64) -> str:

@@ -18,8 +18,8 @@ methods below; `run_bench(..., decoders=...)` accepts any registry, so tests (or
 | `tree+ngram` | n-gram-rescored p-best drafts as a tree, with as many drafts as the `--tree` has leaves |
 
 Serial calls: `GenerationStats` counts them for BPD; for `ar` they are the new tokens; for `pld`/`early-exit` they are
-the verification passes of transformers' assisted loop (one base forward each), recorded with the draft time by
-instrumenting the candidate generator transformers builds (its class and behaviour are unchanged).
+the verification passes of transformers' assisted loop (one full-depth base forward each), recorded with public
+module hooks on the base (no method of transformers is replaced); their drafting time is not separated.
 
 The report (`run_bench`; `hf-bpd bench --output` adds `settings` and `machine`: cpu, cpu_count, threads, torch,
 transformers, ...):
@@ -50,13 +50,12 @@ from pathlib import Path
 
 import torch
 
-from .drafting import GenerationStats
-from .errors import BPDConfigError
-from .rescoring import HeadScoreRescorer
+from ..generation.stats import GenerationStats
+from ..errors import BPDConfigError
+from ..rescorers.base import available_rescorers
 
 Decoder = Callable[..., tuple[torch.Tensor, GenerationStats | None]]
 
-METHODS = ("ar", "pld", "early-exit", "bpd", "bpd+ngram", "bpd+neural", "pbest", "pbest-ngram", "tree", "tree+ngram")
 REFERENCE = "ar"
 
 
@@ -78,9 +77,9 @@ class BenchOptions:
 # ------------------------------------------------------------------ prompts
 def load_questions(path: str | Path) -> list[dict]:
     """`[{"id", "category", "turns"}]` from an MT-bench JSONL (`question_id`, `category`, `turns`), an Alpaca-style
-    JSON/JSONL (`instruction`, `input`; any layout `hf_bpd.data.record_prompt` reads) or a text file (one prompt per
+    JSON/JSONL (`instruction`, `input`; any layout `hf_bpd.training.data.record_prompt` reads) or a text file (one prompt per
     line). Identical prompts are kept once."""
-    from .data import prompt_id, record_prompt
+    from ..training.data import prompt_id, record_prompt
 
     path = Path(path)
     if not path.is_file():
@@ -153,46 +152,62 @@ def decode_ar(model, inputs: dict, max_new_tokens: int):
     return out, GenerationStats(method="ar", new_tokens=new, accepted_lengths=[0] * new)
 
 
-def _instrument(generator, stats: GenerationStats):
-    """Record draft time and accepted lengths of a transformers candidate generator (instance attributes only)."""
-    get_candidates, update = generator.get_candidates, generator.update_candidate_strategy
+class _PassRecorder:
+    """Records the base's verification passes during a `generate()` with public module hooks only.
 
-    def timed_get_candidates(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            result = get_candidates(*args, **kwargs)
-        finally:
-            stats.draft_seconds += time.perf_counter() - start
-        stats.draft_tokens.append(result[0].shape[1] - args[0].shape[1] if args else 0)
-        return result
+    A forward pre-hook on the base records where each call starts (`past_key_values.get_seq_length()`) and a hook on
+    its last decoder layer marks the calls that ran the whole model: drafting passes of early exit stop before that
+    layer, so only verification passes count as serial calls.
+    """
 
-    def counted_update(input_ids, scores, num_matches):
-        stats.accepted_lengths.append(int(num_matches))  # one verification pass (base forward) per call
-        return update(input_ids, scores, num_matches)
+    def __init__(self, base):
+        self.base = base
+        decoder = base.get_decoder()
+        layers = getattr(decoder, "layers", None)
+        if layers is None or len(layers) == 0:
+            raise MethodSkipped(f"cannot find the decoder layers of {type(base).__name__} to count its passes")
+        self.last_layer = layers[-1]
+        self.calls: list[list] = []  # [start position, ran the last layer]
 
-    generator.get_candidates = timed_get_candidates
-    generator.update_candidate_strategy = counted_update
-    return generator
+    def __enter__(self):
+        def started(_module, _args, kwargs):
+            cache = kwargs.get("past_key_values")
+            self.calls.append([cache.get_seq_length() if cache is not None else 0, False])
+
+        def full_depth(_module, _args, _output):
+            if self.calls:
+                self.calls[-1][1] = True
+
+        self.handles = [self.base.register_forward_pre_hook(started, with_kwargs=True),
+                        self.last_layer.register_forward_hook(full_depth)]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+
+    def accepted_lengths(self, prompt_length: int, final_length: int) -> list[int]:
+        """Draft tokens accepted by each verification pass, from where the next one starts (transformers' assisted
+        loop verifies the prompt with the first drafts, and feeds each pass the last pass's bonus token first)."""
+        starts = [start for start, full in self.calls if full]
+        ends = starts[1:] + [final_length - 1]
+        out = []
+        for i, (start, end) in enumerate(zip(starts, ends)):
+            out.append(max(end - (prompt_length if i == 0 else start + 1), 0))
+        return out
 
 
 def decode_assisted(model, inputs: dict, max_new_tokens: int, method: str = "assisted", **generate_kwargs):
     """The base's `generate()` with one of transformers' own drafting methods (`prompt_lookup_num_tokens=...`,
-    `assistant_early_exit=...`); statistics come from the candidate generator transformers builds."""
+    `assistant_early_exit=...`); serial calls and accepted lengths are recorded with module hooks (`_PassRecorder`)."""
     base = base_of(model)
     stats = GenerationStats(method=method)
-    original = base._get_candidate_generator
-
-    def get_candidate_generator(*args, **kwargs):
-        return _instrument(original(*args, **kwargs), stats)
-
-    base._get_candidate_generator = get_candidate_generator
     start = time.perf_counter()
-    try:
+    with _PassRecorder(base) as recorder:
         out = base.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **generate_kwargs)
-    finally:
-        del base._get_candidate_generator
     stats.total_seconds = time.perf_counter() - start
     stats.new_tokens = out.shape[1] - inputs["input_ids"].shape[1]
+    stats.accepted_lengths = recorder.accepted_lengths(inputs["input_ids"].shape[1], out.shape[1])
     return out, stats
 
 
@@ -210,40 +225,48 @@ def decode_early_exit(model, inputs: dict, max_new_tokens: int, layer: int | Non
 def decode_bpd(model, inputs: dict, max_new_tokens: int, tree_widths: Sequence[int] | None = None,
                tree_leaves_as_drafts: bool = False, **options):
     """`model.generate()` with drafting heads; `tree_widths` are cut to the model's heads."""
-    if not hasattr(model, "heads") or not hasattr(model, "decoding_plan"):
+    if not hasattr(model, "heads"):
         raise MethodSkipped("the model has no drafting heads (a plain base model): pass a heads checkpoint")
-    from .tree import sparse_tree
-
     if tree_widths is not None:
         widths = tuple(tree_widths)[: model.config.num_heads]
         if tree_leaves_as_drafts:
             options["num_drafts"] = math.prod(widths)
         else:
-            options["tree"] = sparse_tree(widths)
+            options["tree"] = widths
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **options)
     return out, model.last_generation_stats
 
 
 def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
-    """The registry of `METHODS`: name -> `decoder(model, inputs, max_new_tokens)`."""
+    """The registry of methods: name -> `decoder(model, inputs, max_new_tokens)`. `bpd+NAME` exists for every
+    registered rescorer (`hf_bpd.available_rescorers()`)."""
     o = options or BenchOptions()
     k = {} if o.draft_top_k is None else {"draft_top_k": o.draft_top_k}
     p = functools.partial
-    heads = HeadScoreRescorer()
-    return {
+    # Explicit options: a checkpoint's own defaults (generation_config.rescorer, num_drafts, tree) must not change
+    # what a method name means. rescorer=None: the heads' own scores.
+    chain = dict(num_drafts=1, tree=None)
+    decoders = {
         "ar": decode_ar,
         "pld": p(decode_assisted, method="pld", prompt_lookup_num_tokens=o.pld_tokens),
         "early-exit": p(decode_early_exit, layer=o.early_exit_layer),
-        # Explicit options: a checkpoint's own defaults (config.rescorer, num_drafts) must not change what a
-        # method name means.
-        "bpd": p(decode_bpd, rescorer=heads, num_drafts=1),
-        "bpd+ngram": p(decode_bpd, rescorer="ngram", num_drafts=1, **k),
-        "bpd+neural": p(decode_bpd, rescorer="neural", num_drafts=1, **k),
-        "pbest": p(decode_bpd, rescorer=heads, num_drafts=o.num_drafts, **k),
-        "pbest-ngram": p(decode_bpd, rescorer="ngram", num_drafts=o.num_drafts, **k),
-        "tree": p(decode_bpd, rescorer=heads, tree_widths=o.tree_widths),
-        "tree+ngram": p(decode_bpd, rescorer="ngram", tree_widths=o.tree_widths, tree_leaves_as_drafts=True, **k),
+        "bpd": p(decode_bpd, rescorer=None, **chain),
     }
+    for name in available_rescorers():
+        decoders[f"bpd+{name}"] = p(decode_bpd, rescorer=name, **chain, **k)
+    decoders.update({
+        "pbest": p(decode_bpd, rescorer=None, num_drafts=o.num_drafts, tree=None, **k),
+        "pbest-ngram": p(decode_bpd, rescorer="ngram", num_drafts=o.num_drafts, tree=None, **k),
+        "tree": p(decode_bpd, rescorer=None, tree_widths=o.tree_widths),
+        "tree+ngram": p(decode_bpd, rescorer="ngram", tree_widths=o.tree_widths, tree_leaves_as_drafts=True,
+                        tree=None, **k),
+    })
+    return decoders
+
+
+def methods() -> list[str]:
+    """Every method name `default_decoders` knows."""
+    return list(default_decoders())
 
 
 def parse_methods(text: str | Sequence[str] | None, known: Sequence[str]) -> list[str]:
@@ -260,7 +283,7 @@ def parse_methods(text: str | Sequence[str] | None, known: Sequence[str]) -> lis
 def machine_info() -> dict:
     import transformers
 
-    from . import __version__
+    from .. import __version__
 
     cpu = platform.processor() or platform.machine()
     try:

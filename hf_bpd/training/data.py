@@ -2,8 +2,8 @@
 
 * `load_prompts(path)`: prompts from Alpaca-style (`instruction`, `input`), GSM8K (`question`), MT-bench
   (`turns`), ShareGPT (`conversations`, first human turn) or plain-text files.
-* `load_conversations(path)`: ShareGPT (`{"conversations": [{"from": "human"|"gpt", "value": ...}]}`) or Alpaca
-  (`instruction`/`input`/`output`) records as lists of `{"role", "content"}` messages.
+* `conversation_messages(record)`: a ShareGPT (`{"conversations": [{"from": "human"|"gpt", "value": ...}]}`) or
+  Alpaca (`instruction`/`input`/`output`) record as a list of `{"role", "content"}` messages.
 * `tokenize_conversation(tokenizer, messages)`: chat-template token ids and labels that train on assistant tokens only.
 """
 
@@ -21,7 +21,7 @@ ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assis
 
 def _records(path: str | Path, split: str = "train"):
     path = str(path)
-    if path.endswith((".json", ".jsonl")):
+    if path.removesuffix(".gz").endswith((".json", ".jsonl")):
         return load_dataset("json", data_files=path, split=split)
     return load_dataset("text", data_files=path, split=split)
 
@@ -60,7 +60,8 @@ def load_prompts(path: str | Path, source: str | None = None) -> list[dict]:
         if not prompt or prompt in seen:
             continue
         seen.add(prompt)
-        out.append({"id": record.get("question_id") or prompt_id(source, prompt), "source": source,
+        ident = record.get("question_id") or (record.get("id") if isinstance(record.get("id"), str) else None)
+        out.append({"id": ident or prompt_id(source, prompt), "source": record.get("source") or source,
                     "prompt": prompt, "category": record.get("category") or source})
     return out
 
@@ -76,10 +77,6 @@ def conversation_messages(record: dict) -> list[dict]:
         answer = re.sub(r"<<[^>]*>>", "", record["answer"]).replace("####", "The answer is")
         return [{"role": "user", "content": record["question"]}, {"role": "assistant", "content": answer}]
     raise ValueError(f"record has neither 'conversations' nor 'instruction'/'output': {sorted(record)[:6]}")
-
-
-def load_conversations(path: str | Path) -> list[list[dict]]:
-    return [conversation_messages(r) for r in _records(path)]
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], max_length: int = 1024) -> dict:

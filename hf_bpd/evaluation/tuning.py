@@ -3,7 +3,7 @@
 Greedy decoding is deterministic, so the block efficiency of a rescorer with a given α can be computed without
 decoding again: the base's greedy continuation of each prompt is generated once, one forward pass over it gives every
 step's hidden state, and the accepted length of each step's (rescored) draft is read off against the continuation
-(`hf_bpd.analysis`). Each α then costs only the rescoring.
+(`hf_bpd.evaluation.analysis`). Each α then costs only the rescoring.
 """
 
 from __future__ import annotations

@@ -9,10 +9,13 @@ and the rest is cropped, so the cache again holds exactly the decoded sequence.
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
-from .errors import BPDConfigError
+from ..errors import BPDConfigError
+
+MAX_TREE_NODES = 256  # tokens in one verification pass
 
 
 def sparse_tree(widths: tuple[int, ...] | list[int]) -> list[tuple[int, ...]]:
@@ -23,6 +26,10 @@ def sparse_tree(widths: tuple[int, ...] | list[int]) -> list[tuple[int, ...]]:
     """
     if not widths or any(int(w) < 1 for w in widths):
         raise BPDConfigError(f"tree widths must be a non-empty list of integers >= 1, got {list(widths)}")
+    nodes = sum(math.prod(int(w) for w in widths[:depth]) for depth in range(1, len(widths) + 1))
+    if nodes > MAX_TREE_NODES:
+        raise BPDConfigError(f"tree widths {list(widths)} make {nodes} nodes, over the ceiling of {MAX_TREE_NODES} "
+                             "tokens per verification: use smaller widths")
     choices = []
     for depth in range(1, len(widths) + 1):
         choices.extend(itertools.product(*(range(int(w)) for w in widths[:depth])))
@@ -32,6 +39,8 @@ def sparse_tree(widths: tuple[int, ...] | list[int]) -> list[tuple[int, ...]]:
 def validate_tree_choices(choices, num_heads: int) -> list[tuple[int, ...]]:
     """Check Medusa-style rank paths: non-empty tuples of ranks >= 0, no deeper than the heads, prefix-closed."""
     clean = [tuple(int(r) for r in c) for c in choices]
+    if len(set(clean)) > MAX_TREE_NODES:
+        raise BPDConfigError(f"the tree has {len(set(clean))} nodes, over the ceiling of {MAX_TREE_NODES}: prune it")
     if not clean:
         raise BPDConfigError("tree is empty: pass rank paths such as [(0,), (1,), (0, 0)] or hf_bpd.sparse_tree(...)")
     present = set(clean)
@@ -43,6 +52,25 @@ def validate_tree_choices(choices, num_heads: int) -> list[tuple[int, ...]]:
         if len(c) > 1 and c[:-1] not in present:
             raise BPDConfigError(f"tree path {c} has no parent {c[:-1]} in the tree: add it")
     return sorted(present, key=lambda c: (len(c), c))
+
+
+def parse_tree(tree, num_heads: int) -> list[tuple[int, ...]]:
+    """The `tree` drafting option as rank paths: widths per head (`"4,2,2,1"` or `(4, 2, 2, 1)`, cut to the
+    heads in use) or rank paths (`[(0,), (1,), (0, 0)]`)."""
+    if isinstance(tree, str):
+        try:
+            widths = [int(w) for w in tree.replace(" ", "").split(",") if w]
+        except ValueError:
+            raise BPDConfigError(f"tree={tree!r}: pass comma-separated top-k widths per head, e.g. '4,2,2,1'") from None
+        return sparse_tree(widths[:num_heads] if widths else widths)
+    if isinstance(tree, (list, tuple)) and tree and all(isinstance(w, int) and not isinstance(w, bool) for w in tree):
+        return sparse_tree(list(tree)[:num_heads])
+    if not isinstance(tree, (list, tuple)) or not all(isinstance(c, (list, tuple)) for c in tree):
+        raise BPDConfigError(f"tree must be widths per head ('4,2,2,1' or (4, 2, 2, 1)) or rank paths "
+                             f"([(0,), (1,), (0, 0)]), got {tree!r}")
+    if not all(isinstance(r, int) and not isinstance(r, bool) for c in tree for r in c):
+        raise BPDConfigError(f"tree rank paths hold integer ranks, got {tree!r}")
+    return validate_tree_choices(tree, num_heads)
 
 
 class DraftTree:

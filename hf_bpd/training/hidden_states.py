@@ -200,24 +200,7 @@ class HeadsOnHiddenStates(nn.Module):
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, return_stats: bool = False):
         hidden = hidden.to(next(self.heads.parameters()).dtype)
-        losses, stats = [], []
-        for i in range(len(self.heads.heads)):
-            shift = i + 2
-            targets = self.heads.to_draft_ids(labels[:, shift:])
-            keep = targets != -100
-            if not keep.any():
-                losses.append(hidden.new_zeros(()))
-                stats.append((0, 0, 0))
-                continue
-            logits = self.heads.head_logits(i, hidden[:, :-shift][keep])
-            losses.append(nn.functional.cross_entropy(logits.float(), targets[keep]))
-            if return_stats:
-                top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
-                stats.append((int(keep.sum()), int((top5[:, 0] == targets[keep]).sum()),
-                              int((top5 == targets[keep][:, None]).any(-1).sum())))
-        losses = torch.stack(losses)
-        loss = (torch.tensor(self.weights, dtype=losses.dtype) * losses).sum()
-        return (loss, losses, stats) if return_stats else (loss, losses)
+        return self.heads.loss(hidden, labels, self.weights, return_stats=return_stats)
 
 
 @torch.no_grad()

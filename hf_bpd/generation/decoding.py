@@ -1,0 +1,222 @@
+"""The decoding loop (paper Alg. 1): draft, verify, accept, for every drafting shape.
+
+`blockwise_decoding` is the one route: `BlockwiseParallelForCausalLM.generate()` hands it to transformers' public
+`generate(custom_generate=...)`, which first prepares the generation config, logits processors, stopping criteria
+and KV cache exactly as for plain decoding. Each step then
+
+1. drafts from the hidden state that produced the last token (`BlockDrafter`: heads -> lattice -> rescorer),
+2. verifies every draft in one base forward pass: the drafts form a `DraftTree` (a chain is a tree with one branch,
+   verified with the ordinary causal mask; a wider tree gets a 4D tree-attention mask),
+3. accepts the longest path whose every token is the base's own choice, and rolls the KV cache back to it.
+
+Acceptance is exact: for greedy decoding a draft token is accepted iff it is the base's own (processed) argmax; for
+sampling a token is drawn from the base's (processed) distribution at each tree node and accepted iff a child
+carries it. Drafts are deterministic, so this is speculative sampling with a one-hot draft distribution: the output
+distribution is the base model's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache
+from transformers.generation.streamers import BaseStreamer
+
+from ..errors import BPDConfigError
+from ..rescorers.base import HeadScoreRescorer, resolve_rescorer
+from .config import DraftingOptions
+from .drafting import BlockDrafter
+from .stats import BlockwiseGenerateOutput, GenerationStats
+from .stopping import StopGuard
+from .tree import DraftTree, keep_accepted, parse_tree, tree_attention_masks
+
+MAX_DRAFT_TOP_K = 64  # lattice width ceiling (rescoring cost grows with it)
+MAX_NUM_DRAFTS = 64  # drafts verified together ceiling (the verification block grows with it)
+
+
+@dataclass
+class DecodingPlan:
+    """Everything one `generate()` call drafts with; it lives for that call only (nothing is stored on the model)."""
+
+    drafter: BlockDrafter
+    stats: GenerationStats
+    streamer: BaseStreamer | None = None
+
+
+def _int_option(name: str, value, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BPDConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def plan_drafting(model, options: DraftingOptions) -> DecodingPlan:
+    """Validate the drafting options of one call (one-line `BPDConfigError`s) and build its drafter."""
+    config = model.config
+    n = config.num_heads if options.num_heads_to_use is None else options.num_heads_to_use
+    n = _int_option("num_heads_to_use", n, 1, config.num_heads)
+    vocab = config.draft_size
+    num_drafts = _int_option("num_drafts", options.num_drafts, 1, MAX_NUM_DRAFTS)
+    rescorer = resolve_rescorer(options.rescorer, model.bundled_rescorers, model)
+    choices = None if options.tree is None else parse_tree(options.tree, n)
+    plain = num_drafts == 1 and isinstance(rescorer, HeadScoreRescorer) and choices is None
+    top_k = options.draft_top_k
+    if top_k is None:
+        top_k = 1 if plain else min(16, vocab)
+    top_k = _int_option("draft_top_k", top_k, 1, min(MAX_DRAFT_TOP_K, vocab))
+    if choices is not None:
+        widest = 1 + max(r for c in choices for r in c)
+        if widest > vocab:
+            raise BPDConfigError(f"tree ranks reach {widest - 1}, beyond the {vocab}-token draft vocabulary: use "
+                                 "smaller ranks")
+    rescorer.check_compatible(model)
+    rescorer.reset()
+    method = "tree" if choices is not None else ("p-best" if num_drafts > 1 else "chain")
+    drafter = BlockDrafter(model.heads, n, top_k, num_drafts, rescorer, choices)
+    return DecodingPlan(drafter=drafter, stats=GenerationStats(method=method))
+
+
+def check_supported(input_ids, generation_config, model_kwargs) -> None:
+    """One-line errors for what drafting does not support."""
+    if (generation_config.num_beams or 1) > 1:
+        raise BPDConfigError("beam search cannot be combined with drafting heads: use num_beams=1 or use_heads=False")
+    if input_ids.shape[0] != 1:
+        raise BPDConfigError(f"drafting with heads decodes one sequence at a time, got a batch of {input_ids.shape[0]}:"
+                             " loop over prompts, or pass use_heads=False for batched plain decoding")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise BPDConfigError("the attention mask pads a batch of one: drop the padding (tokenize without padding)")
+    if generation_config.penalty_alpha or generation_config.dola_layers is not None:
+        raise BPDConfigError("contrastive search / DoLa cannot be combined with drafting heads: pass use_heads=False")
+    if generation_config.prompt_lookup_num_tokens is not None or generation_config.assistant_early_exit is not None \
+            or getattr(generation_config, "use_mtp", False):
+        raise BPDConfigError("another drafting method was requested (prompt lookup / early exit / MTP): pass "
+                             "use_heads=False to use it instead of the heads")
+    cache = model_kwargs.get("past_key_values")
+    if generation_config.cache_implementation not in (None, "dynamic") or (
+        cache is not None and not isinstance(cache, DynamicCache)
+    ):
+        raise BPDConfigError(f"drafting needs a dynamic KV cache, got "
+                             f"{generation_config.cache_implementation or type(cache).__name__}: drop "
+                             "cache_implementation / past_key_values, or pass use_heads=False")
+    if cache is not None and cache.get_seq_length() > 0:
+        raise BPDConfigError("drafting starts from an empty KV cache: drop past_key_values, or pass use_heads=False")
+    if not generation_config.use_cache:
+        raise BPDConfigError("drafting needs use_cache=True")
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise BPDConfigError("output_attentions / output_hidden_states are not returned with drafting heads (a "
+                             "verification pass covers several tokens): pass use_heads=False to get them")
+
+
+def _choose(scores: torch.Tensor, do_sample: bool) -> int:
+    if do_sample:
+        return int(torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1))
+    return int(scores.argmax(-1))
+
+
+@torch.no_grad()
+def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, *,
+                       plan: DecodingPlan, **model_kwargs):
+    """The `custom_generate` decoding method: draft, verify, accept until a stopping criterion holds."""
+    check_supported(input_ids, generation_config, model_kwargs)
+    base = model.base_lm
+    cache = model_kwargs.get("past_key_values")
+    if cache is None:
+        cache = DynamicCache(config=base.config.get_text_config(decoder=True))
+    cache.activate_past_recording()  # sliding-window layers keep what a rollback needs
+    stats, drafter, streamer = plan.stats, plan.drafter, plan.streamer
+    do_sample = generation_config.do_sample
+    keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+    keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+    scores, raw_logits = [], []
+    text_config = base.config.get_text_config(decoder=True)
+    layer_types = getattr(text_config, "layer_types", None)
+    sliding_window = getattr(text_config, "sliding_window", None)
+    keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
+
+    guard = StopGuard(stopping_criteria, input_ids.shape[1])
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    sequence = input_ids
+
+    def accept(tokens: list[int], step_logits: list[torch.Tensor], step_scores: list[torch.Tensor]) -> None:
+        nonlocal sequence
+        start = sequence.shape[1]
+        new = torch.tensor([tokens], dtype=sequence.dtype, device=sequence.device)
+        sequence = torch.cat([sequence, new], dim=1)
+        stop = guard.first_stop(sequence)
+        if stop is not None:
+            sequence = sequence[:, :stop]
+        kept = sequence.shape[1] - start
+        if keep_scores:
+            scores.extend(step_scores[:kept])
+        if keep_logits:
+            raw_logits.extend(step_logits[:kept])
+        if streamer is not None and kept > 0:
+            streamer.put(sequence[0, start:].cpu())
+
+    # The prompt pass decodes the first token and gives the hidden state the first block is drafted from.
+    out = model(input_ids=input_ids, attention_mask=model_kwargs.get("attention_mask"), past_key_values=cache,
+                use_cache=True, return_head_logits=False, **keep_last)
+    logits = out.logits[:, -1].float()
+    processed = logits_processor(input_ids, logits.clone())
+    stats.accepted_lengths.append(0)
+    stats.draft_tokens.append(0)
+    hidden = out.last_hidden_state[0, -1]
+    accept([_choose(processed[0], do_sample)], [logits], [processed])
+
+    while guard.stop_length is None:
+        start = time.perf_counter()
+        room = generation_config.max_length - sequence.shape[1] - 1
+        tree = DraftTree(drafter.drafts(hidden, sequence[0].tolist(), room))
+        stats.draft_seconds += time.perf_counter() - start
+
+        past = cache.get_seq_length()
+        block = torch.tensor([[int(sequence[0, -1])] + tree.tokens], dtype=sequence.dtype, device=sequence.device)
+        if tree.is_chain():  # the ordinary causal mask and positions
+            out = model(input_ids=block, past_key_values=cache, use_cache=True, return_head_logits=False)
+        else:
+            mask = tree_attention_masks(tree, cache, past, layer_types, sliding_window, base.dtype, sequence.device)
+            positions = (past + tree.block_depths()).to(sequence.device)[None]
+            out = model(input_ids=block, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                        use_cache=True, return_head_logits=False)
+        block_logits = out.logits[0].float()
+
+        # Walk down the tree while the base's own choice is a child of the current node.
+        node, position, path, step_logits, step_scores, tokens = -1, 0, [], [], [], []
+        while True:
+            context = torch.cat([sequence, torch.tensor([tokens], dtype=sequence.dtype,
+                                                        device=sequence.device)], dim=1)
+            logits = block_logits[position][None]
+            processed = logits_processor(context, logits.clone())
+            token = _choose(processed[0], do_sample)
+            tokens.append(token)
+            step_logits.append(logits)
+            step_scores.append(processed)
+            child = tree.children[node].get(token)
+            if child is None:
+                break
+            node, position = child, child + 1
+            path.append(child)
+
+        keep_accepted(cache, len(tree) + 1, [0] + [c + 1 for c in path])
+        hidden = out.last_hidden_state[0, position]
+        stats.accepted_lengths.append(len(path))
+        stats.draft_tokens.append(len(tree))
+        accept(tokens, step_logits, step_scores)
+
+    if streamer is not None:
+        streamer.end()
+    if cache.get_seq_length() > sequence.shape[1] - 1:
+        cache.crop(-(cache.get_seq_length() - (sequence.shape[1] - 1)))
+    if generation_config.return_dict_in_generate:
+        return BlockwiseGenerateOutput(
+            sequences=sequence,
+            scores=tuple(scores) if keep_scores else None,
+            logits=tuple(raw_logits) if keep_logits else None,
+            past_key_values=cache,
+            generation_stats=stats,
+        )
+    return sequence

@@ -1,0 +1,65 @@
+"""What a `generate()` call did: `GenerationStats`, on `model.last_generation_stats` and on the output object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers.generation import GenerateDecoderOnlyOutput
+
+
+@dataclass
+class GenerationStats:
+    """What one `generate()` call did. `model.last_generation_stats` holds the latest.
+
+    `serial_calls` counts every base forward pass of the call, the one over the prompt included (it decodes the
+    first token), so plain decoding has `block_efficiency == 1.0` exactly. `accepted_lengths[i]` is the number of
+    draft tokens accepted by serial call `i` (0 for the prompt pass); each call also decodes one token of its own,
+    so `block_efficiency == new_tokens / serial_calls == 1 + mean(accepted_lengths)` (the paper's definition).
+    """
+
+    new_tokens: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)
+    draft_tokens: list[int] = field(default_factory=list)  # tokens sent to verification per call (tree nodes)
+    draft_seconds: float = 0.0
+    total_seconds: float = 0.0
+    method: str = "chain"
+
+    @property
+    def serial_calls(self) -> int:
+        return len(self.accepted_lengths)
+
+    @property
+    def block_efficiency(self) -> float:
+        return self.new_tokens / self.serial_calls if self.serial_calls else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean draft tokens accepted per verification call (the prompt pass excluded)."""
+        steps = self.accepted_lengths[1:]
+        return sum(steps) / len(steps) if steps else 0.0
+
+    @property
+    def verify_seconds(self) -> float:
+        """Time outside drafting: base forward passes, acceptance and bookkeeping."""
+        return max(self.total_seconds - self.draft_seconds, 0.0)
+
+    def as_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "new_tokens": self.new_tokens,
+            "serial_calls": self.serial_calls,
+            "block_efficiency": self.block_efficiency,
+            "mean_accepted": self.mean_accepted,
+            "accepted_lengths": list(self.accepted_lengths),
+            "draft_tokens": list(self.draft_tokens),
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "total_seconds": self.total_seconds,
+        }
+
+
+@dataclass
+class BlockwiseGenerateOutput(GenerateDecoderOnlyOutput):
+    """transformers' `GenerateDecoderOnlyOutput` (`return_dict_in_generate=True`) plus `generation_stats`."""
+
+    generation_stats: GenerationStats | None = None

@@ -1,0 +1,93 @@
+"""Checkpoint files: where a heads checkpoint is, its heads' safetensors file, and the bundled files it carries."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from ..errors import CheckpointError
+
+HEADS_WEIGHTS_NAME = "heads.safetensors"
+
+
+def resolve_checkpoint_dir(name_or_path: str | os.PathLike, hub_kwargs: dict) -> Path:
+    """A local directory, else a Hub snapshot of the repo id (one-line error when neither is found)."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    if str(name_or_path).startswith((".", "/")) or path.exists():
+        raise CheckpointError(f"{name_or_path} is not a directory: pass the directory save_pretrained wrote")
+    from huggingface_hub import snapshot_download
+
+    allowed = {k: hub_kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in hub_kwargs}
+    try:
+        return Path(snapshot_download(str(name_or_path), **allowed))
+    except Exception as err:  # noqa: BLE001 - any Hub failure becomes one actionable line
+        raise CheckpointError(
+            f"could not find heads {name_or_path!r} locally or on the Hub ({type(err).__name__}): pass a local "
+            "directory written by save_pretrained"
+        ) from None
+
+
+def load_heads_state(directory: Path, heads, legacy_draft_vocab: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """The heads' state dict from `heads.safetensors`, checked against the heads built from `config.json`.
+
+    Checkpoints written before the draft vocabulary moved into this file keep it in config.json
+    (`legacy_draft_vocab`)."""
+    path = directory / HEADS_WEIGHTS_NAME
+    if not path.exists():
+        raise CheckpointError(f"no {HEADS_WEIGHTS_NAME} in {directory}: save the heads with "
+                              "model.save_pretrained(dir) (only safetensors are read)")
+    try:
+        state = load_file(path)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is corrupt or not a safetensors file ({str(err).splitlines()[0]}): "
+                              "save the heads again with model.save_pretrained(dir)") from None
+    expected = heads.state_dict()
+    if "draft_vocab" in expected and "draft_vocab" not in state and legacy_draft_vocab is not None:
+        state["draft_vocab"] = torch.tensor(legacy_draft_vocab, dtype=torch.long)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        detail = (f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}" if unexpected
+                  else f"shape of {wrong[0]} is {tuple(state[wrong[0]].shape)}, config says "
+                  f"{tuple(expected[wrong[0]].shape)}")
+        raise CheckpointError(f"{path} disagrees with its config.json ({detail}): the config and weights were not "
+                              "saved together; save them again with model.save_pretrained(dir)")
+    vocab = state.get("draft_vocab")
+    size = heads.config.vocab_size
+    if vocab is not None and size is not None and (vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= size
+                                                   or vocab.unique().numel() != vocab.numel()):
+        raise CheckpointError(f"{path} holds a draft vocabulary that is not a set of distinct ids of the base's "
+                              f"{size}-token vocabulary: the heads belong to another base")
+    return {k: v.to(dtype=expected[k].dtype, device=expected[k].device) for k, v in state.items()}
+
+
+def copy_bundled(source: Path, target: Path) -> None:
+    """Copy a bundled file or directory into a checkpoint being saved (nothing to do when it is already there)."""
+    if source.resolve() == target.resolve():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if source.is_dir():
+        shutil.copytree(source, target, dirs_exist_ok=True)
+    else:
+        shutil.copy2(source, target)
+
+
+def push_saved(save, repo_id: str, private=None, token=None, revision=None, **upload) -> object:
+    """`save(tmp_dir)`, then upload that folder to the Hub repo `repo_id` (created if needed)."""
+    import tempfile
+
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    with tempfile.TemporaryDirectory() as tmp:
+        save(tmp)
+        return api.upload_folder(repo_id=repo_id, folder_path=tmp, revision=revision, **upload)

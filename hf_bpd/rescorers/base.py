@@ -1,0 +1,114 @@
+"""Rescorers turn a step's top-k lattice into the draft(s) to verify (paper Sec. 7), and the registry of them.
+
+A rescorer sees the lattice and the tokens decoded so far and returns up to `num_drafts` drafts, best first. Every
+rescorer class is registered under a name with `@register_rescorer("name")`; that one line makes the name usable
+everywhere: `generate(rescorer="name")`, `model.generation_config.rescorer`, `model.bundle_rescorer("name", path)`,
+the CLI's `--rescorer`, the bench's `bpd+name` method, config validation and the model card.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from ..errors import BPDConfigError
+from ..lattice import Draft, Lattice
+
+_REGISTRY: dict[str, type[Rescorer]] = {}
+NO_RESCORER = "none"  # `rescorer="none"` (or None): the heads' own scores
+
+
+class Rescorer:
+    """Base class. Subclasses implement `rescore`; `reset` is called at the start of every `generate()`.
+
+    A rescorer that can be bundled with a checkpoint (saved next to the heads, loaded with them) implements
+    `from_bundle`; one that needs no file can be used by its registered name without bundling (`for_model`).
+    """
+
+    name: ClassVar[str | None] = None  # set by `register_rescorer`
+
+    @classmethod
+    def for_model(cls, model) -> Rescorer:
+        """The rescorer `generate(rescorer=name)` uses when the checkpoint bundles none of this name."""
+        try:
+            return cls()
+        except TypeError:
+            raise BPDConfigError(f"this checkpoint bundles no {cls.name} rescorer: bundle one with "
+                                 f"model.bundle_rescorer({cls.name!r}, path) or pass a {cls.__name__} instance") from None
+
+    @classmethod
+    def from_bundle(cls, base_model, path: Path, alpha: float = 1.0, **fields) -> Rescorer:
+        """Load the bundled rescorer stored at `path` (a file or directory inside the checkpoint)."""
+        raise BPDConfigError(f"the {cls.name} rescorer cannot be bundled with a checkpoint: pass an instance instead")
+
+    def reset(self) -> None:
+        pass
+
+    def check_compatible(self, model) -> None:
+        """Raise a one-line `BPDError` if this rescorer cannot serve `model` (e.g. another vocabulary)."""
+
+    def rescore(self, lattice: Lattice, context: list[int], num_drafts: int) -> list[Draft]:
+        """Return up to `num_drafts` drafts through `lattice`, best first.
+
+        Args:
+            lattice: top-k tokens and log-probabilities of each head (row `i` drafts the token `i + 2` steps ahead
+                of the last token of `context`, whose own successor the base has already chosen).
+            context: every token so far: prompt, decoded tokens, and (last) the base's next token.
+            num_drafts: how many drafts the verifier takes.
+        """
+        raise NotImplementedError
+
+
+class HeadScoreRescorer(Rescorer):
+    """No rescoring: the `num_drafts` best lattice paths under the head scores alone (argmax drafts for p=1)."""
+
+    def rescore(self, lattice: Lattice, context: list[int], num_drafts: int) -> list[Draft]:
+        return lattice.best_paths(num_drafts)
+
+
+def register_rescorer(name: str):
+    """Class decorator: register a `Rescorer` subclass under `name` (see the module docstring)."""
+    if not isinstance(name, str) or not name or name == NO_RESCORER or "+" in name or "," in name:
+        raise BPDConfigError(f"a rescorer name must be a non-empty string without '+' or ',', not {NO_RESCORER!r}; "
+                             f"got {name!r}")
+
+    def register(cls):
+        if not (isinstance(cls, type) and issubclass(cls, Rescorer)):
+            raise BPDConfigError(f"@register_rescorer({name!r}) decorates Rescorer subclasses, got {cls!r}")
+        if _REGISTRY.get(name, cls) is not cls:
+            raise BPDConfigError(f"a rescorer named {name!r} is already registered ({_REGISTRY[name].__name__}): "
+                                 "choose another name")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return register
+
+
+def available_rescorers() -> list[str]:
+    """Names of every registered rescorer (the built-in `ngram` and `neural`, and any registered since)."""
+    from . import neural, ngram  # noqa: F401 - importing them registers the built-in rescorers
+
+    return sorted(_REGISTRY)
+
+
+def rescorer_class(name: str) -> type[Rescorer]:
+    if name not in available_rescorers():
+        raise BPDConfigError(f"unknown rescorer {name!r}: use one of {', '.join(available_rescorers())}, "
+                             f"{NO_RESCORER!r}, or register one with @hf_bpd.register_rescorer")
+    return _REGISTRY[name]
+
+
+def resolve_rescorer(rescorer, bundled: dict[str, Rescorer], model=None) -> Rescorer:
+    """A `Rescorer` for the `rescorer` generation option: None/"none" (head scores), an instance, or a registered
+    name (the checkpoint's bundled rescorer of that name, else the class's own `for_model`)."""
+    if rescorer is None or rescorer == NO_RESCORER:
+        return HeadScoreRescorer()
+    if isinstance(rescorer, Rescorer):
+        return rescorer
+    if isinstance(rescorer, str):
+        if rescorer in bundled:
+            return bundled[rescorer]
+        return rescorer_class(rescorer).for_model(model)
+    raise BPDConfigError(f"rescorer must be a name ({', '.join(available_rescorers())}, {NO_RESCORER!r}), None or a "
+                         f"hf_bpd.Rescorer instance, got {type(rescorer).__name__}")

@@ -1,0 +1,290 @@
+"""Train BPD drafting heads with Accelerate (and optionally LoRA in the base through peft).
+
+    accelerate launch training/train_heads.py --model smollm2-135m-instruct --data data/distilled.jsonl \
+        --num-heads 4 --draft-vocab-size 16384 --epochs 2 --output-dir checkpoints/my-heads
+    python training/train_heads.py ...            # the same on one CPU process
+
+Frozen base (default, Medusa-1 / the paper's setting): base hidden states are cached once and only the heads train.
+`--lora-base q_proj,v_proj`: Medusa-2 style, LoRA in the base trained jointly with the heads; the base's own
+next-token loss (`--base-loss-weight`) or a KL to the frozen base (`--kl-weight`, via peft's adapter disabling) keeps
+its outputs from drifting. `--resume` continues from the last `accelerator.save_state` checkpoint without losing a
+step. Data: ShareGPT/Vicuna JSON(L) (`conversations`) or Alpaca records, rendered with the chat template, loss on
+assistant tokens only.
+"""
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from datasets import load_dataset
+from torch.utils.data import DataLoader, Sampler
+
+import hf_bpd
+from .lora import save_base_adapter
+from .hidden_states import (HeadsOnHiddenStates, build_examples, cache_hidden_states,
+                             choose_draft_vocab, collate_cached, head_accuracy, latest_checkpoint,
+                             save_checkpoint)
+
+
+def keep_log_until(path: Path, step: int) -> None:
+    """Drop train_log.jsonl entries after `step` (and a line torn by a kill)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def parse_args(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="base model (alias, directory, Hub id)")
+    p.add_argument("--init-from", help="continue training the heads of this BPD checkpoint")
+    p.add_argument("--data", nargs="+", required=True, help="ShareGPT/Alpaca JSON or JSONL files")
+    p.add_argument("--targets", default="data", choices=["data", "base"],
+                   help="train on the data's tokens, or on the base's own greedy predictions along the data "
+                        "(teacher-forced self-distillation; frozen-base mode)")
+    p.add_argument("--eval-fraction", type=float, default=0.02)
+    p.add_argument("--max-examples", type=int, default=None)
+    p.add_argument("--max-length", type=int, default=768)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--head-type", default="resblock", choices=["resblock", "ffn"])
+    p.add_argument("--num-layers-per-head", type=int, default=1)
+    p.add_argument("--head-intermediate-size", type=int, default=None,
+                   help="hidden width of an ffn head (default: the base's hidden size)")
+    p.add_argument("--own-projection", action="store_true", help="heads own their output projection")
+    p.add_argument("--draft-vocab-size", type=int, default=None, help="score only the N most frequent tokens")
+    p.add_argument("--head-loss-weights", default=None, help="comma-separated λ_h, e.g. 1,0.8,0.6,0.4")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--save-steps", type=int, default=200)
+    p.add_argument("--log-steps", type=int, default=10)
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--cache-dir", default=None,
+                   help="keep the base hidden states here (safetensors shards, per example) and reuse them in later "
+                        "runs on the same base and targets: only examples not seen before run the base (frozen-base "
+                        "mode)")
+    p.add_argument("--resume", action="store_true", help="continue from output-dir/state")
+    p.add_argument("--lora-base", default=None, help="comma-separated base modules for LoRA (Medusa-2 mode)")
+    p.add_argument("--lora-r", type=int, default=8)
+    p.add_argument("--base-loss-weight", type=float, default=1.0, help="LoRA mode: weight of the base's own loss")
+    p.add_argument("--kl-weight", type=float, default=0.0, help="LoRA mode: KL(frozen base || adapted base)")
+    p.add_argument("--push-to-hub", default=None, help="repo id to upload the checkpoint to")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    return p.parse_args(argv)
+
+
+class EpochBatches(Sampler):
+    """Deterministic shuffled batches of one epoch: the order of epoch e depends only on (seed, e), so a resumed run
+    sees exactly the batches the killed run would have seen. `use_epoch(e)` selects the epoch."""
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        self.n, self.batch_size, self.seed, self.epoch = n, batch_size, seed, 0
+
+    def use_epoch(self, epoch: int) -> None:  # not `set_epoch`: accelerate would reset it per iterator
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        for i in range(0, self.n, self.batch_size):
+            yield order[i: i + self.batch_size]
+
+    def __len__(self):
+        return math.ceil(self.n / self.batch_size)
+
+
+def load_records(files):
+    records = []
+    for f in files:
+        records.extend(load_dataset("json", data_files=f, split="train"))
+    return records
+
+
+def collate_tokens(pad_id):
+    def collate(items):
+        width = max(len(it["input_ids"]) for it in items)
+        ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+        labels = torch.full((len(items), width), -100, dtype=torch.long)
+        mask = torch.zeros((len(items), width), dtype=torch.long)
+        for row, it in enumerate(items):
+            n = len(it["input_ids"])
+            ids[row, :n], labels[row, :n], mask[row, :n] = torch.tensor(it["input_ids"]), torch.tensor(
+                it["labels"]), 1
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    return collate
+
+
+def main(argv=None, prog=None):
+    args = parse_args(argv, prog)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum)
+    set_seed(args.seed)
+    out = Path(args.output_dir)
+    log = (lambda msg: accelerator.print(msg, flush=True))
+    started = time.perf_counter()
+
+    base, tokenizer = hf_bpd.load_base(args.model)
+    records = load_records(args.data)
+    examples, skipped = build_examples(tokenizer, records, args.max_length)
+    examples = examples[: args.max_examples]
+    if not examples:
+        raise SystemExit("train_heads: no usable training examples in --data (need assistant turns)")
+    n_eval = max(1, int(len(examples) * args.eval_fraction)) if len(examples) > 1 else 0
+    generator = torch.Generator().manual_seed(args.seed)
+    perm = torch.randperm(len(examples), generator=generator).tolist()
+    eval_examples = [examples[i] for i in perm[:n_eval]]
+    train_examples = [examples[i] for i in perm[n_eval:]]
+    log(f"{len(train_examples)} training / {len(eval_examples)} eval examples ({skipped} records skipped), "
+        f"{sum(len(e['input_ids']) for e in train_examples)} training tokens")
+
+    if args.init_from:
+        model = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.init_from, base_model=base)
+    else:
+        draft_vocab = None
+        if args.draft_vocab_size:
+            specials = [t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None]
+            draft_vocab = choose_draft_vocab(train_examples, args.draft_vocab_size, specials)
+        weights = [float(w) for w in args.head_loss_weights.split(",")] if args.head_loss_weights else None
+        model = hf_bpd.BlockwiseParallelForCausalLM.from_base(
+            base, num_heads=args.num_heads, head_type=args.head_type, num_layers_per_head=args.num_layers_per_head,
+            head_intermediate_size=args.head_intermediate_size,
+            tie_head_projection=not args.own_projection, draft_vocab=draft_vocab, head_loss_weights=weights)
+        model.config.base_model_name_or_path = args.model
+
+    lora = args.lora_base is not None
+    if lora:
+        from peft import get_peft_model
+
+        model.freeze_base()
+        trainable = get_peft_model(model, hf_bpd.bpd_lora_config(model, r=args.lora_r, heads="full",
+                                                                 base_target_modules=args.lora_base.split(",")))
+        dataset, eval_data = train_examples, eval_examples
+        collate = collate_tokens(tokenizer.pad_token_id or 0)
+    else:
+        model.freeze_base()
+        dataset = cache_hidden_states(model, train_examples, targets=args.targets, cache_dir=args.cache_dir)
+        eval_data = cache_hidden_states(model, eval_examples, targets=args.targets, cache_dir=args.cache_dir)
+        trainable = HeadsOnHiddenStates(model)
+        collate = collate_cached
+
+    sampler = EpochBatches(len(dataset), args.batch_size, args.seed)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
+    per_epoch = len(loader)
+    total_steps = args.max_steps or int(per_epoch * args.epochs / args.grad_accum)
+    params = [p for p in trainable.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1))
+                                                  * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+    trainable, optimizer, loader, scheduler = accelerator.prepare(trainable, optimizer, loader, scheduler)
+
+    step, state_dir = 0, out / "state"
+    checkpoint = latest_checkpoint(state_dir) if args.resume else None
+    if checkpoint:
+        accelerator.load_state(str(checkpoint[0]))
+        step = checkpoint[1]
+        if accelerator.is_main_process:
+            keep_log_until(out / "train_log.jsonl", step)  # the steps after the checkpoint are run again
+        log(f"resumed from step {step}")
+    else:
+        if args.resume:
+            log(f"--resume: no checkpoint in {state_dir}, starting from step 0")
+        if accelerator.is_main_process:
+            (out / "train_log.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh log
+    def batches():
+        """Every batch from step `step` on, epoch after epoch (each epoch re-shuffled deterministically)."""
+        done = step * args.grad_accum
+        epoch = done // per_epoch
+        while True:
+            sampler.use_epoch(epoch)
+            skip = done - epoch * per_epoch
+            yield from (accelerator.skip_first_batches(loader, skip) if skip else loader)
+            epoch += 1
+            done = epoch * per_epoch
+
+    trainable.train()
+    history = []
+    for batch in batches():
+        if step >= total_steps:
+            break
+        with accelerator.accumulate(trainable):
+            if lora:
+                result = trainable(**batch, base_loss_weight=args.base_loss_weight, return_head_logits=False)
+                loss, head_losses = result.loss, result.head_losses
+                if args.kl_weight > 0:
+                    with torch.no_grad(), accelerator.unwrap_model(trainable).disable_adapter():
+                        frozen = trainable(**batch, return_head_logits=False).logits
+                    mask = batch["labels"] != -100
+                    kl = torch.nn.functional.kl_div(result.logits[mask].float().log_softmax(-1),
+                                                    frozen[mask].float().log_softmax(-1), log_target=True,
+                                                    reduction="batchmean")
+                    loss = loss + args.kl_weight * kl
+            else:
+                loss, head_losses = trainable(batch["hidden"], batch["labels"])
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if not accelerator.sync_gradients:
+            continue
+        step += 1
+        entry = {"step": step, "loss": float(loss.detach()),
+                 "head_losses": [round(float(x), 5) for x in head_losses.detach()],
+                 "lr": scheduler.get_last_lr()[0]}
+        history.append(entry)
+        if accelerator.is_main_process:
+            out.mkdir(parents=True, exist_ok=True)
+            with (out / "train_log.jsonl").open("a") as f:
+                f.write(json.dumps(entry) + "\n")
+        if step % args.log_steps == 0 or step == 1:
+            log(f"step {step}/{total_steps} loss {entry['loss']:.4f} heads {entry['head_losses']}")
+        if step % args.save_steps == 0:
+            save_checkpoint(accelerator, state_dir, step)
+
+    accelerator.wait_for_everyone()
+    minutes = (time.perf_counter() - started) / 60
+    if lora:
+        unwrapped = accelerator.unwrap_model(trainable)
+        adapter_dir = out / "base_adapter"
+        if accelerator.is_main_process:
+            save_base_adapter(unwrapped, adapter_dir)
+        model = unwrapped.merge_and_unload()
+        accuracy = []
+    else:
+        accuracy = head_accuracy(accelerator.unwrap_model(trainable), eval_data)
+    for row in accuracy:
+        log(f"head {row['head']}: top-1 {row['top1']:.3f}  top-5 {row['top5']:.3f}  ({row['positions']} positions)")
+    if accelerator.is_main_process:
+        training = {"data": [os.path.basename(d) for d in args.data], "examples": len(train_examples),
+                    "tokens": sum(len(e["input_ids"]) for e in train_examples), "steps": step,
+                    "lr": args.lr, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
+                    "epochs": args.epochs, "targets": args.targets, "mode": "lora-base" if lora else "frozen base (cached hidden states)",
+                    "minutes": round(minutes, 1), "eval_head_accuracy": accuracy}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "training.json").write_text(json.dumps(training, indent=2))
+        if lora:
+            model.config.base_adapter = "base_adapter"
+        model.save_pretrained(out)  # config, heads and a model card that reports training.json
+        if args.push_to_hub:
+            model.push_to_hub(args.push_to_hub)
+        log(f"saved to {out} after {minutes:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
