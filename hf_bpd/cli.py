@@ -64,12 +64,13 @@ def _draft_options(args) -> dict:
 
 def _method_label(model, options: dict) -> str:
     config = model.generation_config
+    compiled = ", compiled" if options.get("compile") else ""
     rescorer = options.get("rescorer", config.rescorer)
     name = f" + {rescorer}" if isinstance(rescorer, str) and rescorer != "none" else ""  # else head scores
     if options.get("tree", config.tree) is not None:
-        return f"tree{name}"
+        return f"tree{name}{compiled}"
     drafts = options.get("num_drafts") or config.num_drafts
-    return f"bpd{name}" + (f", {drafts}-best" if drafts > 1 else "")
+    return f"bpd{name}" + (f", {drafts}-best" if drafts > 1 else "") + compiled
 
 
 def _timed(fn):
@@ -96,6 +97,10 @@ def cmd_generate(args) -> int:
         kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if args.no_heads:  # plain decoding; a plain base model decodes plainly anyway
         options = {"use_heads": False} if has_heads else {}
+    if args.compile:
+        if not has_heads:
+            raise ValueError(f"{args.model} is a plain base model: --compile needs a heads checkpoint")
+        options["compile"] = True
     if has_heads and not args.no_heads:
         from .generation.config import drafting_options
         from .generation.decoding import plan_drafting
@@ -104,8 +109,16 @@ def cmd_generate(args) -> int:
         plan_drafting(model, drafting_options(dict(options), None, model.generation_config))
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
     prompt_length = inputs["input_ids"].shape[1]
-    if args.compare:  # warm-up (first-call costs: allocations, rescorer loading) is kept out of the timings
+    if args.compare or args.compile:  # warm-up (allocations, rescorer loading, compilation) is not timed
+        start = time.perf_counter()
         model.generate(**inputs, **{**kwargs, "max_new_tokens": 8}, **options)
+        if args.compile and args.compare and not args.no_heads:
+            model.generate(**inputs, **{**kwargs, "max_new_tokens": 8}, use_heads=False, compile=True)
+        if args.compile:
+            import torch as _torch
+
+            print(f"compiled the verification step(s) in {time.perf_counter() - start:.0f} s (once per process; "
+                  f"CPU: {_torch.backends.cpu.get_cpu_capability()})", file=sys.stderr)
 
     out, seconds = _timed(lambda: model.generate(**inputs, streamer=streamer, **kwargs, **options))
     stats = getattr(model, "last_generation_stats", None) if has_heads and not args.no_heads else None
@@ -123,15 +136,19 @@ def cmd_generate(args) -> int:
         rows = [("plain greedy generate()" if not args.do_sample else "plain sampling generate()",
                  ref.shape[1] - prompt_length, ref_seconds, 1.0, None)]
         label = _method_label(model, options) if stats is not None else "this run"
-        if stats is not None and _method_label(model, options) != "bpd":
+        if args.compile and not args.no_heads:
+            plain_c, plain_c_seconds = _timed(lambda: model.generate(**inputs, **kwargs, use_heads=False, compile=True))
+            rows.append(("plain decoding, compiled (use_heads=False, compile=True)", plain_c.shape[1] - prompt_length,
+                         plain_c_seconds, 1.0, None if args.do_sample else torch.equal(plain_c, ref)))
+        if stats is not None and _method_label(model, options) not in ("bpd", "bpd, compiled"):
             plain, plain_seconds = _timed(lambda: model.generate(**inputs, **kwargs, rescorer=None, num_drafts=1,
-                                                                 tree=None))
-            rows.append(("bpd (heads' top-1 draft)", plain.shape[1] - prompt_length, plain_seconds,
+                                                                 tree=None, compile=args.compile))
+            rows.append(("bpd (heads' top-1 draft" + (", compiled)" if args.compile else ")"), plain.shape[1] - prompt_length, plain_seconds,
                          model.last_generation_stats.block_efficiency,
                          None if args.do_sample else torch.equal(plain, ref)))
         rows.append((f"{label} (above)", new_tokens, seconds, stats.block_efficiency if stats else 1.0,
                      None if args.do_sample else torch.equal(out, ref)))
-        print(f"\n| method | tok/s | speed-up | block efficiency | identical to plain |")
+        print("\n| method | tok/s | speed-up | block efficiency | identical to plain |")
         print("| --- | --- | --- | --- | --- |")
         ref_rate = rows[0][1] / rows[0][2]
         for name, n, secs, be, same in rows:
@@ -380,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tree", default=None, metavar="WIDTHS",
                      help="Medusa-style sparse tree, top-k widths per head, e.g. 4,2,2,1")
     gen.add_argument("--num-heads-to-use", type=int, default=None, help="draft with only the first N heads")
+    gen.add_argument("--compile", action="store_true",
+                     help="verify with a torch.compile'd step on a static cache (first use compiles, ~1-2 min for "
+                          "SmolLM2 on a CPU; --compare then also times compiled plain decoding)")
     gen.add_argument("--compare", action="store_true",
                      help="also run the base's plain generate() (and plain BPD) and print a side-by-side table")
     gen.set_defaults(func=cmd_generate)

@@ -21,7 +21,7 @@ from transformers.generation import GenerateDecoderOnlyOutput
 from .configuration import BlockwiseParallelConfig
 from .errors import BaseModelError, BPDConfigError, CheckpointError
 from .generation.config import BlockwiseGenerationConfig, drafting_options, load_generation_config
-from .generation.decoding import blockwise_decoding, plan_drafting
+from .generation.decoding import blockwise_decoding, plan_drafting, plan_plain
 from .generation.stats import BlockwiseGenerateOutput, GenerationStats
 from .generation.stopping import stop_strings_as_criteria
 from .heads import BlockwiseParallelOutput, DraftHeads
@@ -272,13 +272,14 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         start = time.perf_counter()
         options = drafting_options(kwargs, generation_config, self.generation_config)
         prompt = inputs if inputs is not None else kwargs.get("input_ids")
-        if not options.use_heads:
+        if not options.use_heads and not options.compile:
             stats = GenerationStats(method="plain")
             result = super().generate(inputs, generation_config, **kwargs)
         else:
             if kwargs.get("custom_generate") is not None:
                 raise BPDConfigError("custom_generate replaces the drafting loop: pass use_heads=False with it")
-            plan = plan_drafting(self, options)
+            plan = plan_drafting(self, options) if options.use_heads else plan_plain()
+            plan.compile = options.compile
             plan.streamer = kwargs.pop("streamer", None)
             stop_strings_as_criteria(kwargs, generation_config, self.generation_config)
             decode = functools.partial(blockwise_decoding, plan=plan)
@@ -287,7 +288,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         sequences = result if isinstance(result, torch.Tensor) else result.sequences
         prompt_length = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 else 0
         stats.new_tokens = sequences.shape[1] - prompt_length
-        if not options.use_heads:
+        if stats.method == "plain":
             stats.accepted_lengths = [0] * stats.new_tokens
         stats.total_seconds = time.perf_counter() - start
         self.last_generation_stats = stats

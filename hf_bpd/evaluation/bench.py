@@ -16,6 +16,7 @@ methods below; `run_bench(..., decoders=...)` accepts any registry, so tests (or
 | `pbest-ngram` | `--num-drafts` best n-gram-rescored paths, verified as a tree |
 | `tree` | a Medusa-style sparse tree of top-k ranks (`--tree` widths) |
 | `tree+ngram` | n-gram-rescored p-best drafts as a tree, with as many drafts as the `--tree` has leaves |
+| `ar-compiled`, `bpd-compiled`, `bpd+NAME-compiled` | plain decoding / BPD with `generate(compile=True)`: compiled verification steps on a reused static cache (compiled in the warm-up) |
 
 Serial calls: `GenerationStats` counts them for BPD; for `ar` they are the new tokens; for `pld`/`early-exit` they are
 the verification passes of transformers' assisted loop (one full-depth base forward each), recorded with public
@@ -254,6 +255,12 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
     }
     for name in available_rescorers():
         decoders[f"bpd+{name}"] = p(decode_bpd, rescorer=name, **chain, **k)
+    # Compiled verification (`generate(compile=True)`): the same loop, a compiled step on a reused static cache.
+    # `ar-compiled` is plain decoding through that machinery (one token per step): the fair baseline for it.
+    decoders["ar-compiled"] = p(decode_bpd, use_heads=False, compile=True)
+    decoders["bpd-compiled"] = p(decode_bpd, rescorer=None, compile=True, **chain)
+    for name in available_rescorers():
+        decoders[f"bpd+{name}-compiled"] = p(decode_bpd, rescorer=name, compile=True, **chain, **k)
     decoders.update({
         "pbest": p(decode_bpd, rescorer=None, num_drafts=o.num_drafts, tree=None, **k),
         "pbest-ngram": p(decode_bpd, rescorer="ngram", num_drafts=o.num_drafts, tree=None, **k),

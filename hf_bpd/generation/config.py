@@ -8,6 +8,7 @@
 | `num_drafts` | `1` | p: drafts verified together per step (> 1: tree verification) |
 | `num_heads_to_use` | `None` | draft with only the first heads (None: all) |
 | `tree` | `None` | Medusa-style tree: top-k widths per head (`"4,2,2,1"`, `(4, 2, 2, 1)`) or rank paths (`[(0,), (1,), (0, 0)]`) |
+| `compile` | `False` | verify with a `torch.compile`d step on a reused static cache (`hf_bpd.generation.verify`); with `use_heads=False` too, for compiled plain decoding |
 
 Set them once (`model.generation_config.rescorer = "ngram"`, saved with the checkpoint) or per call
 (`model.generate(..., rescorer="ngram")`); a per-call value wins.
@@ -32,6 +33,7 @@ class BlockwiseGenerationConfig(GenerationConfig):
 
     def __init__(self, **kwargs):
         self.use_heads = kwargs.pop("use_heads", True)
+        self.compile = kwargs.pop("compile", False)
         for name, default in DRAFTING_DEFAULTS.items():
             setattr(self, name, kwargs.pop(name, default))
         super().__init__(**kwargs)
@@ -58,6 +60,7 @@ class DraftingOptions:
     model's generation config were merged (in that order). `explicit` names the ones set per call."""
 
     use_heads: bool = True
+    compile: bool = False
     rescorer: object = None
     draft_top_k: int | None = None
     num_drafts: int = 1
@@ -72,17 +75,18 @@ def drafting_options(kwargs: dict, generation_config: GenerationConfig | None,
 
     `use_heads=False` together with a drafting option set per call is an error: the option would be ignored.
     """
-    explicit = {name: kwargs.pop(name) for name in ("use_heads",) + DRAFTING_OPTIONS if name in kwargs}
+    explicit = {name: kwargs.pop(name) for name in ("use_heads", "compile") + DRAFTING_OPTIONS if name in kwargs}
     values = {}
-    for name, default in {"use_heads": True, **DRAFTING_DEFAULTS}.items():
+    for name, default in {"use_heads": True, "compile": False, **DRAFTING_DEFAULTS}.items():
         if name in explicit:
             values[name] = explicit[name]
         elif generation_config is not None and hasattr(generation_config, name):
             values[name] = getattr(generation_config, name)
         else:
             values[name] = getattr(model_config, name, default)
-    if not isinstance(values["use_heads"], bool):
-        raise BPDConfigError(f"use_heads must be True or False, got {values['use_heads']!r}")
+    for name in ("use_heads", "compile"):
+        if not isinstance(values[name], bool):
+            raise BPDConfigError(f"{name} must be True or False, got {values[name]!r}")
     if values["use_heads"] is False:
         given = [n for n in DRAFTING_OPTIONS if n in explicit]
         if given:

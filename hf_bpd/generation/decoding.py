@@ -17,8 +17,9 @@ distribution is the base model's.
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +29,11 @@ from transformers.generation.streamers import BaseStreamer
 from ..errors import BPDConfigError
 from ..rescorers.base import HeadScoreRescorer, resolve_rescorer
 from .config import DraftingOptions
-from .drafting import BlockDrafter
+from .drafting import BlockDrafter, NoDrafter
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import StopGuard
-from .tree import DraftTree, keep_accepted, parse_tree, tree_attention_masks
+from .tree import DraftTree, parse_tree
+from .verify import _RUNNERS, EagerVerifier, make_verifier
 
 MAX_DRAFT_TOP_K = 64  # lattice width ceiling (rescoring cost grows with it)
 MAX_NUM_DRAFTS = 64  # drafts verified together ceiling (the verification block grows with it)
@@ -44,6 +46,7 @@ class DecodingPlan:
     drafter: BlockDrafter
     stats: GenerationStats
     streamer: BaseStreamer | None = None
+    compile: bool = False  # verify with the compiled step on a static cache (`hf_bpd.generation.verify`)
 
 
 def _int_option(name: str, value, low: int, high: int) -> int:
@@ -78,7 +81,12 @@ def plan_drafting(model, options: DraftingOptions) -> DecodingPlan:
     return DecodingPlan(drafter=drafter, stats=GenerationStats(method=method))
 
 
-def check_supported(input_ids, generation_config, model_kwargs) -> None:
+def plan_plain() -> DecodingPlan:
+    """Plain decoding through the same loop (one token per step): how `use_heads=False, compile=True` runs."""
+    return DecodingPlan(drafter=NoDrafter(), stats=GenerationStats(method="plain-compiled"))
+
+
+def check_supported(input_ids, generation_config, model_kwargs, compiled: bool = False) -> None:
     """One-line errors for what drafting does not support."""
     if (generation_config.num_beams or 1) > 1:
         raise BPDConfigError("beam search cannot be combined with drafting heads: use num_beams=1 or use_heads=False")
@@ -120,22 +128,36 @@ def _choose(scores: torch.Tensor, do_sample: bool) -> int:
 def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, *,
                        plan: DecodingPlan, **model_kwargs):
     """The `custom_generate` decoding method: draft, verify, accept until a stopping criterion holds."""
-    check_supported(input_ids, generation_config, model_kwargs)
-    base = model.base_lm
-    cache = model_kwargs.get("past_key_values")
-    if cache is None:
-        cache = DynamicCache(config=base.config.get_text_config(decoder=True))
-    cache.activate_past_recording()  # sliding-window layers keep what a rollback needs
+    check_supported(input_ids, generation_config, model_kwargs, compiled=plan.compile)
+    verifier, runner = None, None
+    if plan.compile:
+        try:
+            verifier, runner = make_verifier(model, model_kwargs.get("past_key_values"),
+                                             model_kwargs.get("attention_mask"), True, generation_config.max_length,
+                                             input_ids.device)
+            if runner is not None:
+                bucket = plan.drafter.max_block_length()  # one compiled shape per drafting plan
+                done = set(runner.compiled_buckets)
+                compiled = runner.warm_up([bucket], input_ids.device)
+                plan.stats.compile_seconds = sum(v for b, v in compiled.items() if b not in done)
+                verifier.bucket = bucket
+        except Exception as err:  # noqa: BLE001 - a failing compiler must not break generation
+            warnings.warn(f"hf_bpd: torch.compile failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
+                          "decoding eagerly", stacklevel=3)
+            _RUNNERS.pop(model.base_lm, None)
+            verifier, runner = None, None
+    if verifier is None:
+        verifier = EagerVerifier(model, model_kwargs.get("past_key_values"), model_kwargs.get("attention_mask"))
+    with runner.lock if runner is not None else contextlib.nullcontext():
+        return _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan)
+
+
+def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan):
     stats, drafter, streamer = plan.stats, plan.drafter, plan.streamer
     do_sample = generation_config.do_sample
     keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     scores, raw_logits = [], []
-    text_config = base.config.get_text_config(decoder=True)
-    layer_types = getattr(text_config, "layer_types", None)
-    sliding_window = getattr(text_config, "sliding_window", None)
-    keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
-
     guard = StopGuard(stopping_criteria, input_ids.shape[1])
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -158,13 +180,11 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
             streamer.put(sequence[0, start:].cpu())
 
     # The prompt pass decodes the first token and gives the hidden state the first block is drafted from.
-    out = model(input_ids=input_ids, attention_mask=model_kwargs.get("attention_mask"), past_key_values=cache,
-                use_cache=True, return_head_logits=False, **keep_last)
-    logits = out.logits[:, -1].float()
+    logits, hidden = verifier.prefill(input_ids)
+    logits = logits.float()
     processed = logits_processor(input_ids, logits.clone())
     stats.accepted_lengths.append(0)
     stats.draft_tokens.append(0)
-    hidden = out.last_hidden_state[0, -1]
     accept([_choose(processed[0], do_sample)], [logits], [processed])
 
     while guard.stop_length is None:
@@ -173,16 +193,8 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
         tree = DraftTree(drafter.drafts(hidden, sequence[0].tolist(), room))
         stats.draft_seconds += time.perf_counter() - start
 
-        past = cache.get_seq_length()
-        block = torch.tensor([[int(sequence[0, -1])] + tree.tokens], dtype=sequence.dtype, device=sequence.device)
-        if tree.is_chain():  # the ordinary causal mask and positions
-            out = model(input_ids=block, past_key_values=cache, use_cache=True, return_head_logits=False)
-        else:
-            mask = tree_attention_masks(tree, cache, past, layer_types, sliding_window, base.dtype, sequence.device)
-            positions = (past + tree.block_depths()).to(sequence.device)[None]
-            out = model(input_ids=block, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                        use_cache=True, return_head_logits=False)
-        block_logits = out.logits[0].float()
+        block_logits, block_hidden = verifier.verify(int(sequence[0, -1]), tree, sequence.device)
+        block_logits = block_logits.float()
 
         # Walk down the tree while the base's own choice is a child of the current node.
         node, position, path, step_logits, step_scores, tokens = -1, 0, [], [], [], []
@@ -201,16 +213,15 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
             node, position = child, child + 1
             path.append(child)
 
-        keep_accepted(cache, len(tree) + 1, [0] + [c + 1 for c in path])
-        hidden = out.last_hidden_state[0, position]
+        verifier.keep(len(tree) + 1, [0] + [c + 1 for c in path])
+        hidden = block_hidden[position]
         stats.accepted_lengths.append(len(path))
         stats.draft_tokens.append(len(tree))
         accept(tokens, step_logits, step_scores)
 
     if streamer is not None:
         streamer.end()
-    if cache.get_seq_length() > sequence.shape[1] - 1:
-        cache.crop(-(cache.get_seq_length() - (sequence.shape[1] - 1)))
+    cache = verifier.close(sequence.shape[1])
     if generation_config.return_dict_in_generate:
         return BlockwiseGenerateOutput(
             sequences=sequence,

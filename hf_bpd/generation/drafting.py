@@ -31,6 +31,12 @@ class BlockDrafter:
         if tree_choices:
             self.top_k = max(top_k, 1 + max(r for c in tree_choices for r in c))
 
+    def max_block_length(self) -> int:
+        """The most tokens one verification pass can hold: the last token plus every draft node."""
+        if self.tree_choices is not None:
+            return 1 + len(self.tree_choices)
+        return 1 + self.num_heads * self.num_drafts
+
     @torch.no_grad()
     def lattice(self, hidden: torch.Tensor, num_heads: int | None = None) -> Lattice:
         logits = self.heads.step_logits(hidden, num_heads or self.num_heads)
@@ -50,3 +56,13 @@ class BlockDrafter:
         if self.tree_choices is not None:
             return [lattice.path_tokens(c) for c in self.tree_choices if len(c) <= n]
         return [d.tokens[:n] for d in self.rescorer.rescore(lattice, context, self.num_drafts)]
+
+
+class NoDrafter:
+    """Drafts nothing: the decoding loop then takes one plain step per token (`use_heads=False, compile=True`)."""
+
+    def max_block_length(self) -> int:
+        return 1
+
+    def drafts(self, hidden, context, max_length) -> list:
+        return []

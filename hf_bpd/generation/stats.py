@@ -23,6 +23,7 @@ class GenerationStats:
     draft_seconds: float = 0.0
     total_seconds: float = 0.0
     method: str = "chain"
+    compile_seconds: float = 0.0  # compiling the verification step in this call (0 once compiled)
 
     @property
     def serial_calls(self) -> int:
@@ -55,6 +56,7 @@ class GenerationStats:
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "total_seconds": self.total_seconds,
+            "compile_seconds": self.compile_seconds,
         }
 
 

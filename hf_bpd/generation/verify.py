@@ -1,0 +1,243 @@
+"""The verification forward pass: one base forward over the last token and a draft tree, and the KV-cache rollback.
+
+Two verifiers share one interface (`prefill`, `verify`, `keep`, `close`), so the decoding loop is the same for both:
+
+* `EagerVerifier` runs the base as it is, on the `DynamicCache` transformers prepared for the call.
+* `CompiledVerifier` (`generate(..., compile=True)`) runs a `torch.compile`d step (inductor, `freezing` with
+  prepacked weights, `max_autotune` CPU GEMM templates; measured in `../shared/MEASUREMENTS.md`) on a `StaticCache`
+  that is created once per base model and reused by every call, so every step has one of a few fixed shapes:
+  the block is padded to the drafting plan's largest block (the last token plus every node its drafts can have)
+  and the attention mask is a 4D tensor over the whole static cache. One graph is compiled per block length, once
+  per process. The prompt pass runs eagerly into the same
+  static cache. Rejected tokens are rolled back by moving the accepted path's keys/values into place and resetting
+  each layer's `cumulative_length` (a `StaticCache` writes at that counter, not at `cache_position`).
+
+If compiling fails, or the base cannot use it (sliding-window layers, a non-decoder layout), generation falls back to
+the eager verifier with a one-line warning.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+import weakref
+
+import torch
+import torch._inductor.config as inductor_config
+from torch import nn
+from transformers.cache_utils import DynamicCache, StaticCache
+
+from .tree import DraftTree, keep_accepted, tree_attention_masks
+
+CACHE_BUCKET = 1024  # static caches hold a multiple of this many tokens
+INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
+class EagerVerifier:
+    """Verification with the base as it is, on a `DynamicCache`."""
+
+    def __init__(self, model, cache, attention_mask=None):
+        self.model, self.base = model, model.base_lm
+        self.cache = cache if cache is not None else DynamicCache(config=self.base.config.get_text_config(decoder=True))
+        self.cache.activate_past_recording()  # sliding-window layers keep what a rollback needs
+        text_config = self.base.config.get_text_config(decoder=True)
+        self.layer_types = getattr(text_config, "layer_types", None)
+        self.sliding_window = getattr(text_config, "sliding_window", None)
+        self.attention_mask = attention_mask
+
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt pass: `(logits (1, vocab), hidden (hidden_size,))` at the last prompt position."""
+        out = self.model(input_ids=input_ids, attention_mask=self.attention_mask, past_key_values=self.cache,
+                         use_cache=True, return_head_logits=False, logits_to_keep=1)
+        return out.logits[:, -1], out.last_hidden_state[0, -1]
+
+    def verify(self, last_token: int, tree: DraftTree, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward `[last_token] + tree.tokens`: `(logits (q, vocab), hidden (q, hidden_size))`."""
+        past = self.cache.get_seq_length()
+        block = torch.tensor([[last_token] + tree.tokens], dtype=torch.long, device=device)
+        if tree.is_chain():  # the ordinary causal mask and positions
+            out = self.model(input_ids=block, past_key_values=self.cache, use_cache=True, return_head_logits=False)
+        else:
+            mask = tree_attention_masks(tree, self.cache, past, self.layer_types, self.sliding_window,
+                                        self.base.dtype, device)
+            positions = (past + tree.block_depths()).to(device)[None]
+            out = self.model(input_ids=block, attention_mask=mask, position_ids=positions,
+                             past_key_values=self.cache, use_cache=True, return_head_logits=False)
+        return out.logits[0], out.last_hidden_state[0]
+
+    def keep(self, block_length: int, kept: list[int]) -> None:
+        """Keep block positions `kept` (the root and the accepted path) of the last verification; drop the rest."""
+        keep_accepted(self.cache, block_length, kept)
+
+    def close(self, length: int) -> object:
+        """The cache after decoding `length` tokens (it holds `length - 1`)."""
+        if self.cache.get_seq_length() > length - 1:
+            self.cache.crop(-(self.cache.get_seq_length() - (length - 1)))
+        return self.cache
+
+
+# ----------------------------------------------------------------------------------------------------------------
+class _Step(nn.Module):
+    """The base's decoder and output layer as one module, the unit `torch.compile` freezes."""
+
+    def __init__(self, base, cache: StaticCache):
+        super().__init__()
+        self.base = base
+        self.cache = cache
+        softcap = getattr(base.config.get_text_config(), "final_logit_softcapping", None)
+        self.softcap = float(softcap) if softcap else None
+
+    def forward(self, input_ids, position_ids, cache_position, attention_mask):
+        hidden = self.base.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                         cache_position=cache_position, attention_mask=attention_mask,
+                                         past_key_values=self.cache, use_cache=True).last_hidden_state
+        logits = self.base.get_output_embeddings()(hidden)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits, hidden
+
+
+class CompiledRunner:
+    """One base model's static cache and compiled steps (one graph per block bucket), shared by every call."""
+
+    def __init__(self, base, max_cache_len: int):
+        self.base = base
+        self.max_cache_len = max_cache_len
+        self.cache = StaticCache(config=base.config, max_cache_len=max_cache_len)
+        self.step = _Step(base, self.cache).eval()
+        # The inductor settings are applied with `config.patch` around every call (compilation happens lazily, in the
+        # first call per shape): passing them as `torch.compile(options=...)` did not enable the GEMM templates here
+        # (measured: 43 ms vs 21 ms per one-token step on SmolLM2), and setting them globally would change the
+        # user's own compiles.
+        self.compiled = torch.compile(self.step, dynamic=False)
+        self.lock = threading.Lock()
+        self.compiled_buckets: dict[int, float] = {}  # bucket -> seconds its first call took (compilation)
+
+    def run(self, input_ids, position_ids, cache_position, attention_mask):
+        q = input_ids.shape[1]
+        start = time.perf_counter()
+        with inductor_config.patch(INDUCTOR_OPTIONS):
+            logits, hidden = self.compiled(input_ids, position_ids, cache_position, attention_mask)
+        if q not in self.compiled_buckets:
+            self.compiled_buckets[q] = time.perf_counter() - start
+        return logits, hidden
+
+    def warm_up(self, buckets, device) -> dict[int, float]:
+        """Compile the steps of `buckets` now (outside any timed region); returns seconds per bucket."""
+        with self.lock, torch.no_grad():
+            for b in buckets:
+                if b in self.compiled_buckets:
+                    continue
+                self.reset()
+                mask = torch.zeros(1, 1, b, self.max_cache_len, dtype=self.base.dtype, device=device)
+                positions = torch.arange(b, device=device)
+                self.run(torch.zeros(1, b, dtype=torch.long, device=device), positions[None], positions, mask)
+            self.reset()
+        return dict(self.compiled_buckets)
+
+    def set_length(self, length: int) -> None:
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.fill_(length)
+
+    def reset(self) -> None:
+        self.set_length(0)
+
+
+_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base model -> {max_cache_len: CompiledRunner}
+
+
+def compiled_runner(base, needed_length: int) -> CompiledRunner:
+    """The runner of `base` whose static cache holds `needed_length` tokens (created, not compiled, on first use)."""
+    size = -(-needed_length // CACHE_BUCKET) * CACHE_BUCKET
+    runners = _RUNNERS.setdefault(base, {})
+    if size not in runners:
+        runners[size] = CompiledRunner(base, size)
+    return runners[size]
+
+
+def compile_unsupported_reason(base) -> str | None:
+    """Why the compiled verifier cannot serve `base` (None when it can)."""
+    text_config = base.config.get_text_config(decoder=True)
+    if any(t != "full_attention" for t in (getattr(text_config, "layer_types", None) or ["full_attention"])):
+        return "its sliding-window layers need a rolling cache"
+    if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True) \
+            and getattr(text_config, "layer_types", None) is None and "mistral" in text_config.model_type:
+        return "its sliding-window layers need a rolling cache"
+    try:
+        base.get_decoder(), base.get_output_embeddings()
+    except Exception:  # noqa: BLE001
+        return "it has no decoder / output layer to compile"
+    if getattr(base, "hf_quantizer", None) is not None:
+        return "quantized weights cannot be frozen"
+    return None
+
+
+class CompiledVerifier:
+    """Verification with `CompiledRunner`'s compiled steps on its static cache (see the module docstring)."""
+
+    def __init__(self, model, runner: CompiledRunner):
+        self.model, self.base, self.runner = model, model.base_lm, runner
+        self.cache = runner.cache
+        self.length = 0  # tokens in the cache
+        self.bucket = 1
+
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt pass, eager, writing into the static cache (the call holds the runner's lock from here on)."""
+        self.runner.reset()
+        out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, return_head_logits=False,
+                         logits_to_keep=1)
+        self.length = input_ids.shape[1]
+        self.runner.set_length(self.length)
+        return out.logits[:, -1], out.last_hidden_state[0, -1]
+
+    def verify(self, last_token: int, tree: DraftTree, device) -> tuple[torch.Tensor, torch.Tensor]:
+        q = len(tree) + 1
+        b = max(self.bucket, q)  # one shape per call: the plan's largest block
+        past = self.length
+        tokens = torch.zeros(1, b, dtype=torch.long, device=device)
+        tokens[0, :q] = torch.tensor([last_token] + tree.tokens, dtype=torch.long)
+        depths = torch.arange(b, dtype=torch.long)
+        depths[:q] = tree.block_depths()
+        positions = (past + depths).to(device)
+        allowed = torch.zeros(b, self.runner.max_cache_len, dtype=torch.bool)
+        allowed[:, :past] = True
+        allowed[:q, past: past + q] = tree.ancestors_mask()
+        pad = torch.arange(q, b)
+        allowed[pad, past + pad] = True  # padding rows see themselves only (no row may see nothing)
+        mask = torch.zeros(b, self.runner.max_cache_len, dtype=self.base.dtype)
+        mask.masked_fill_(~allowed, torch.finfo(self.base.dtype).min)
+        cache_position = past + torch.arange(b, device=device)
+        logits, hidden = self.runner.run(tokens, positions[None], cache_position, mask.to(device)[None, None])
+        return logits[0, :q], hidden[0, :q]
+
+    def keep(self, block_length: int, kept: list[int]) -> None:
+        past = self.length
+        if kept != list(range(len(kept))):
+            source = torch.tensor(kept, device=self.cache.layers[0].keys.device) + past
+            target = past + torch.arange(len(kept), device=source.device)
+            for layer in self.cache.layers:
+                layer.keys.index_copy_(2, target, layer.keys.index_select(2, source))
+                layer.values.index_copy_(2, target, layer.values.index_select(2, source))
+        self.length = past + len(kept)
+        self.runner.set_length(self.length)
+
+    def close(self, length: int) -> object:
+        self.length = min(self.length, length - 1)
+        self.runner.set_length(self.length)
+        return None  # the static cache is the runner's, reused by the next call: it is not handed out
+
+
+def make_verifier(model, cache, attention_mask, compile_step: bool, needed_length: int, device):
+    """The verifier for one call: compiled when asked for and possible, else eager (with a one-line warning when
+    compilation was asked for but is not possible)."""
+    if compile_step:
+        reason = compile_unsupported_reason(model.base_lm)
+        if reason is None and attention_mask is not None:
+            reason = "an attention mask was given"
+        if reason is None:
+            runner = compiled_runner(model.base_lm, needed_length)
+            return CompiledVerifier(model, runner), runner
+        warnings.warn(f"hf_bpd: compile=True is not used for this call ({reason}); decoding eagerly", stacklevel=4)
+    return EagerVerifier(model, cache, attention_mask), None

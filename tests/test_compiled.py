@@ -1,0 +1,76 @@
+"""`generate(compile=True)`: the compiled verification step on a reused static cache, exact and with fallbacks.
+
+Compiling costs tens of seconds per block shape even for a tiny model, so one model and few shapes are used.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from hf_bpd.generation import verify
+from tests.conftest import VOCAB
+from tests.test_decoding import random_bpd
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def prompt(seed: int, length: int):
+    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def model(one_thread):
+    return random_bpd("llama", 2)
+
+
+@pytest.mark.parametrize("options", [{}, {"tree": (2, 2, 1)}, {"num_drafts": 3, "draft_top_k": 2},
+                                     {"use_heads": False}], ids=["chain", "tree", "pbest", "plain"])
+def test_compiled_decoding_equals_the_base_greedy_output(model, options):
+    for seed in range(4):
+        ids = prompt(seed, 3 + 4 * seed)
+        kwargs = dict(max_new_tokens=18 + seed, do_sample=False, eos_token_id=None)
+        expected = model.base_lm.generate(ids, **kwargs)
+        got = model.generate(ids, compile=True, **options, **kwargs)
+        assert torch.equal(got, expected), (options, seed)
+        stats = model.last_generation_stats
+        assert stats.new_tokens == got.shape[1] - ids.shape[1]
+        assert stats.method == ("plain-compiled" if options.get("use_heads") is False else stats.method)
+    # the steps compiled once: later calls pay nothing
+    assert model.last_generation_stats.compile_seconds == 0.0
+    runner = next(iter(verify._RUNNERS[model.base_lm].values()))
+    assert set(runner.compiled_buckets) <= {1, 4, 10, 11}
+
+
+def test_compiled_stops_and_sampling_settings(model):
+    ids = prompt(9, 5)
+    free = model.base_lm.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    eos = int(free[0, ids.shape[1] + 7])
+    for kwargs in (dict(eos_token_id=eos, pad_token_id=0), dict(eos_token_id=None, repetition_penalty=1.3),
+                   dict(eos_token_id=None, do_sample=True, top_k=1)):
+        kwargs = dict(max_new_tokens=20, **kwargs)
+        kwargs.setdefault("do_sample", False)
+        assert torch.equal(model.generate(ids, compile=True, **kwargs), model.base_lm.generate(ids, **kwargs))
+
+
+def test_sliding_window_bases_fall_back_to_eager_with_a_warning(one_thread):
+    model = random_bpd("gemma3", 0)
+    ids = prompt(1, 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, compile=True)
+    assert torch.equal(got, model.base_lm.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None))
+    messages = [str(w.message) for w in caught if "compile=True is not used" in str(w.message)]
+    assert len(messages) == 1 and "sliding-window" in messages[0]
+
+
+def test_a_failing_compiler_falls_back_to_eager(monkeypatch, one_thread):
+    model = random_bpd("qwen2", 1)
+    monkeypatch.setattr(verify, "INDUCTOR_OPTIONS", {"no_such_inductor_option": True})
+    ids = prompt(2, 7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, compile=True)
+    assert torch.equal(got, model.base_lm.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None))
+    assert any("torch.compile failed" in str(w.message) for w in caught)
+    assert model.base_lm not in verify._RUNNERS
