@@ -109,11 +109,15 @@ def cmd_generate(args) -> int:
         plan_drafting(model, drafting_options(dict(options), None, model.generation_config))
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
     prompt_length = inputs["input_ids"].shape[1]
+    # the comparison's plain BPD row: the heads' argmax chain, same heads and compilation as this run
+    plain_bpd = dict(rescorer=None, num_drafts=1, tree=None, compile=args.compile,
+                     **{k: v for k, v in options.items() if k == "num_heads_to_use"})
     if args.compare or args.compile:  # warm-up (allocations, rescorer loading, compilation) is not timed
         start = time.perf_counter()
         model.generate(**inputs, **{**kwargs, "max_new_tokens": 8}, **options)
         if args.compile and args.compare and not args.no_heads:
             model.generate(**inputs, **{**kwargs, "max_new_tokens": 8}, use_heads=False, compile=True)
+            model.generate(**inputs, **{**kwargs, "max_new_tokens": 8}, **plain_bpd)
         if args.compile:
             import torch as _torch
 
@@ -141,8 +145,7 @@ def cmd_generate(args) -> int:
             rows.append(("plain decoding, compiled (use_heads=False, compile=True)", plain_c.shape[1] - prompt_length,
                          plain_c_seconds, 1.0, None if args.do_sample else torch.equal(plain_c, ref)))
         if stats is not None and _method_label(model, options) not in ("bpd", "bpd, compiled"):
-            plain, plain_seconds = _timed(lambda: model.generate(**inputs, **kwargs, rescorer=None, num_drafts=1,
-                                                                 tree=None, compile=args.compile))
+            plain, plain_seconds = _timed(lambda: model.generate(**inputs, **kwargs, **plain_bpd))
             rows.append(("bpd (heads' top-1 draft" + (", compiled)" if args.compile else ")"), plain.shape[1] - prompt_length, plain_seconds,
                          model.last_generation_stats.block_efficiency,
                          None if args.do_sample else torch.equal(plain, ref)))
@@ -368,6 +371,37 @@ def cmd_train(args, rest: list[str] | None = None) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    from .evaluation import cost
+
+    _positive(args, "threads", "past")
+    lengths = _int_list(args.lengths, "--lengths") if "-" not in args.lengths else \
+        list(range(int(args.lengths.split("-")[0]), int(args.lengths.split("-")[1]) + 1))
+    if not lengths or max(lengths) > 256:
+        raise ValueError(f"--lengths must be block lengths in [1, 256], got {args.lengths!r}")
+    _writable_file(args.output)
+    import torch
+
+    from .hub.base_models import load_base_model
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    config_file = Path(args.model) / "config.json"
+    if config_file.exists() and json.loads(config_file.read_text()).get("model_type") == "blockwise_parallel":
+        from .modeling import BlockwiseParallelForCausalLM
+
+        base = BlockwiseParallelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).base_lm
+    else:
+        base = load_base_model(args.model, dtype=getattr(torch, args.dtype)).eval()
+    costs = cost.measure_costs(base, lengths, compiled=not args.no_compile, past=args.past)
+    print(cost.cost_table(costs), end="")
+    print(f"stored {cost.save_costs(base, costs)}")
+    if args.output:
+        Path(args.output).write_text(json.dumps(costs, indent=1))
+        print(f"wrote {args.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .rescorers import available_rescorers
 
@@ -443,6 +477,24 @@ def build_parser() -> argparse.ArgumentParser:
                          help="bundled rescorer for rescored drafts (default: the first the checkpoint bundles)")
     analyze.add_argument("--rescore-top-k", type=int, default=16, help="lattice width the rescorer sees")
     analyze.set_defaults(func=cmd_analyze)
+
+    prof = sub.add_parser(
+        "profile", help="the cost model: forward cost of 1..16 tokens, eager and compiled, vs the bandwidth bound",
+        description="Times one base forward of n new tokens on a KV cache (eager, and through generate(compile=True)'s "
+                    "compiled step: the first call per length compiles, ~1-2 min each for SmolLM2 on a CPU), next to "
+                    "the bound weight bytes / measured memory bandwidth; prints the table and stores it under "
+                    "$HF_BPD_CACHE/costs/.")
+    prof.add_argument("--model", default="smollm2-135m-instruct",
+                      help="heads checkpoint directory or base model (default: smollm2-135m-instruct)")
+    prof.add_argument("--lengths", default="1-16", help="block lengths: a range 1-16 or a list 1,2,4,8 (default 1-16)")
+    prof.add_argument("--past", type=int, default=200, help="tokens already in the KV cache (default 200)")
+    prof.add_argument("--no-compile", action="store_true", help="eager only (no compilation)")
+    prof.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    prof.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    prof.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                      help="model dtype (default float32)")
+    prof.add_argument("--output", metavar="FILE.json", help="also write the table as JSON")
+    prof.set_defaults(func=cmd_profile)
 
     from .rescorers.kenlm import add_parser as add_build_ngram
 

@@ -39,6 +39,16 @@ def tiny_base(arch: str, seed: int = 0):
     return model.eval()
 
 
+def tiny_smollm2_vocab_base(tokenizer):
+    """A 2-layer random Llama with SmolLM2's vocabulary and special tokens (seed 0), for tests with the real tokenizer."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
 @pytest.fixture(params=ARCHS)
 def arch(request):
     return request.param

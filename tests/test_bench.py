@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_bpd
 from hf_bpd import BlockwiseParallelForCausalLM
@@ -20,6 +19,7 @@ from hf_bpd.evaluation.bench import (
     run_bench,
 )
 from hf_bpd.errors import BPDConfigError
+from tests.conftest import tiny_smollm2_vocab_base
 
 METHODS = list(default_decoders())
 
@@ -38,13 +38,8 @@ QUESTIONS = [
 def make_tiny_checkpoint(root):
     """A 2-layer Llama with SmolLM2's vocabulary and tokenizer (base dir), wrapped with 3 random heads (heads dir)."""
     tokenizer = hf_bpd.load_tokenizer("smollm2-135m-instruct")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
     base_dir, heads_dir = root / "base", root / "heads"
-    AutoModelForCausalLM.from_config(config).save_pretrained(base_dir)
+    tiny_smollm2_vocab_base(tokenizer).save_pretrained(base_dir)
     tokenizer.save_pretrained(base_dir)
     model = BlockwiseParallelForCausalLM.from_base(str(base_dir), num_heads=3)
     generator = torch.Generator().manual_seed(0)

@@ -190,3 +190,18 @@ def test_generate_no_heads_with_sampling_compare(tiny, model, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "| plain sampling generate() |" in out and "| this run (above) |" in out
+
+
+def test_profile_command_eager_table(tmp_path, capsys, monkeypatch):
+    """`hf-bpd profile --no-compile` on a tiny base: one row per length, stored under $HF_BPD_CACHE/costs."""
+    from tests.conftest import tiny_base
+
+    monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path / "cache"))
+    tiny_base("llama").save_pretrained(tmp_path / "base")
+    out = tmp_path / "costs.json"
+    assert main(["profile", "--model", str(tmp_path / "base"), "--lengths", "1-3", "--no-compile", "--threads", "1",
+                 "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| 3 |" in printed and "stored" in printed
+    assert json.loads(out.read_text())["lengths"] == [1, 2, 3]
+    assert list((tmp_path / "cache" / "costs").glob("*.json"))

@@ -74,3 +74,14 @@ def test_a_failing_compiler_falls_back_to_eager(monkeypatch, one_thread):
     assert torch.equal(got, model.base_lm.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None))
     assert any("torch.compile failed" in str(w.message) for w in caught)
     assert model.base_lm not in verify._RUNNERS
+
+
+def test_cost_model_measures_eager_and_compiled_steps(model):
+    """The compiled length 4 is the chain step compiled above (same runner): no new compilation."""
+    from hf_bpd.evaluation import cost
+
+    costs = cost.measure_costs(model.base_lm, [1, 4], compiled=True, past=20, repeats=3)
+    assert len(costs["eager_ms"]) == len(costs["compiled_ms"]) == 2 and min(costs["compiled_ms"]) > 0
+    assert costs["bound_ms"] > 0 and costs["bandwidth_gb_s"] > 0.1
+    table = cost.cost_table(costs)
+    assert "| 4 |" in table and "bound" in table

@@ -9,12 +9,13 @@ import functools
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, pipeline
+from transformers import pipeline
 from transformers.generation.streamers import BaseStreamer
 
 import hf_bpd
 from hf_bpd import BlockwiseGenerateOutput, BlockwiseParallelForCausalLM, BPDConfigError, Rescorer
 from hf_bpd.lattice import Draft
+from tests.conftest import tiny_smollm2_vocab_base
 
 SHAPES = {"chain": {}, "pbest": {"num_drafts": 3, "draft_top_k": 2}, "tree": {"tree": (2, 2, 1)}}
 
@@ -22,12 +23,7 @@ SHAPES = {"chain": {}, "pbest": {"num_drafts": 3, "draft_top_k": 2}, "tree": {"t
 @functools.lru_cache(maxsize=None)
 def tiny():
     tokenizer = hf_bpd.load_tokenizer("smollm2-135m-instruct")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    model = BlockwiseParallelForCausalLM.from_base(AutoModelForCausalLM.from_config(config).eval(), num_heads=3)
+    model = BlockwiseParallelForCausalLM.from_base(tiny_smollm2_vocab_base(tokenizer), num_heads=3)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.heads.parameters():

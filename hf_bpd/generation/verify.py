@@ -111,7 +111,7 @@ class CompiledRunner:
         # (measured: 43 ms vs 21 ms per one-token step on SmolLM2), and setting them globally would change the
         # user's own compiles.
         self.compiled = torch.compile(self.step, dynamic=False)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # warm_up may run inside a caller that holds it
         self.compiled_buckets: dict[int, float] = {}  # bucket -> seconds its first call took (compilation)
 
     def run(self, input_ids, position_ids, cache_position, attention_mask):
