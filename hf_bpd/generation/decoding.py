@@ -33,7 +33,7 @@ from .drafting import BlockDrafter, NoDrafter
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import StopGuard
 from .tree import DraftTree, parse_tree
-from .verify import _RUNNERS, EagerVerifier, make_verifier
+from .verify import _RUNNERS, EagerVerifier, compiled_verifier
 
 MAX_DRAFT_TOP_K = 64  # lattice width ceiling (rescoring cost grows with it)
 MAX_NUM_DRAFTS = 64  # drafts verified together ceiling (the verification block grows with it)
@@ -132,9 +132,8 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
     verifier, runner = None, None
     if plan.compile:
         try:
-            verifier, runner = make_verifier(model, model_kwargs.get("past_key_values"),
-                                             model_kwargs.get("attention_mask"), True, generation_config.max_length,
-                                             input_ids.device)
+            verifier, runner = compiled_verifier(model, generation_config.max_length,
+                                                 model_kwargs.get("attention_mask")) or (None, None)
             if runner is not None:
                 bucket = plan.drafter.max_block_length()  # one compiled shape per drafting plan
                 done = set(runner.compiled_buckets)

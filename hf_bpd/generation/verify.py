@@ -229,15 +229,14 @@ class CompiledVerifier:
         return None  # the static cache is the runner's, reused by the next call: it is not handed out
 
 
-def make_verifier(model, cache, attention_mask, compile_step: bool, needed_length: int, device):
-    """The verifier for one call: compiled when asked for and possible, else eager (with a one-line warning when
-    compilation was asked for but is not possible)."""
-    if compile_step:
-        reason = compile_unsupported_reason(model.base_lm)
-        if reason is None and attention_mask is not None:
-            reason = "an attention mask was given"
-        if reason is None:
-            runner = compiled_runner(model.base_lm, needed_length)
-            return CompiledVerifier(model, runner), runner
+def compiled_verifier(model, needed_length: int, attention_mask=None):
+    """`(CompiledVerifier, runner)` for one call, or `None` (with a one-line warning) when the compiled step cannot
+    serve this base or call; the caller then verifies eagerly."""
+    reason = compile_unsupported_reason(model.base_lm)
+    if reason is None and attention_mask is not None:
+        reason = "an attention mask was given"
+    if reason is not None:
         warnings.warn(f"hf_bpd: compile=True is not used for this call ({reason}); decoding eagerly", stacklevel=4)
-    return EagerVerifier(model, cache, attention_mask), None
+        return None
+    runner = compiled_runner(model.base_lm, needed_length)
+    return CompiledVerifier(model, runner), runner
