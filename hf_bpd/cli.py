@@ -54,7 +54,7 @@ def _draft_options(args) -> dict:
     options = {}
     if args.rescorer is not None:
         options["rescorer"] = args.rescorer
-    for name in ("num_drafts", "draft_top_k", "num_heads_to_use"):
+    for name in ("num_drafts", "draft_top_k", "num_heads_to_use", "draft_schedule", "prompt_lookup"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     if args.tree:
@@ -64,9 +64,11 @@ def _draft_options(args) -> dict:
 
 def _method_label(model, options: dict) -> str:
     config = model.generation_config
-    compiled = ", compiled" if options.get("compile") else ""
+    compiled = ", compiled" if options.get("compile", config.compile) else ""
     rescorer = options.get("rescorer", config.rescorer)
     name = f" + {rescorer}" if isinstance(rescorer, str) and rescorer != "none" else ""  # else head scores
+    name += " + lookup" if options.get("prompt_lookup", config.prompt_lookup) else ""
+    compiled += ", cost schedule" if options.get("draft_schedule", config.draft_schedule) == "cost" else ""
     if options.get("tree", config.tree) is not None:
         return f"tree{name}{compiled}"
     drafts = options.get("num_drafts") or config.num_drafts
@@ -89,7 +91,8 @@ def cmd_generate(args) -> int:
     model, tokenizer = load_for_generation(args.model, args.dtype)
     has_heads = hasattr(model, "heads")
     options = _draft_options(args) if has_heads else {}
-    if not has_heads and (args.rescorer or args.tree or args.num_drafts or args.draft_top_k or args.num_heads_to_use):
+    if not has_heads and (args.rescorer or args.tree or args.num_drafts or args.draft_top_k or args.num_heads_to_use
+                          or args.prompt_lookup or args.draft_schedule):
         raise ValueError(f"{args.model} is a plain base model: drafting options need a heads checkpoint")
     inputs = _encode(tokenizer, args.prompt, args.chat)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
@@ -97,10 +100,12 @@ def cmd_generate(args) -> int:
         kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if args.no_heads:  # plain decoding; a plain base model decodes plainly anyway
         options = {"use_heads": False} if has_heads else {}
-    if args.compile:
+    if args.compile is not None:
         if not has_heads:
             raise ValueError(f"{args.model} is a plain base model: --compile needs a heads checkpoint")
-        options["compile"] = True
+        options["compile"] = args.compile
+    # compiled verification: asked for, or the checkpoint's default (its generation_config.json)
+    compiled = has_heads and options.get("compile", getattr(model.generation_config, "compile", False))
     if has_heads and not args.no_heads:
         from .generation.config import drafting_options
         from .generation.decoding import plan_drafting
@@ -110,15 +115,15 @@ def cmd_generate(args) -> int:
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
     prompt_length = inputs["input_ids"].shape[1]
     # the comparison's plain BPD row: the heads' argmax chain, same heads and compilation as this run
-    plain_bpd = dict(rescorer=None, num_drafts=1, tree=None, compile=args.compile,
+    plain_bpd = dict(rescorer=None, num_drafts=1, tree=None, compile=compiled,
                      **{k: v for k, v in options.items() if k == "num_heads_to_use"})
-    if args.compare or args.compile:  # warm-up (allocations, rescorer loading, compilation) is not timed
+    if args.compare or compiled:  # warm-up (allocations, rescorer loading, compilation) is not timed
         start = time.perf_counter()
         model.generate(**inputs, **{**kwargs, "max_new_tokens": 8}, **options)
-        if args.compile and args.compare and not args.no_heads:
+        if compiled and args.compare and not args.no_heads:
             model.generate(**inputs, **{**kwargs, "max_new_tokens": 8}, use_heads=False, compile=True)
             model.generate(**inputs, **{**kwargs, "max_new_tokens": 8}, **plain_bpd)
-        if args.compile:
+        if compiled:
             import torch as _torch
 
             print(f"compiled the verification step(s) in {time.perf_counter() - start:.0f} s (once per process; "
@@ -140,13 +145,13 @@ def cmd_generate(args) -> int:
         rows = [("plain greedy generate()" if not args.do_sample else "plain sampling generate()",
                  ref.shape[1] - prompt_length, ref_seconds, 1.0, None)]
         label = _method_label(model, options) if stats is not None else "this run"
-        if args.compile and not args.no_heads:
+        if compiled and not args.no_heads:
             plain_c, plain_c_seconds = _timed(lambda: model.generate(**inputs, **kwargs, use_heads=False, compile=True))
             rows.append(("plain decoding, compiled (use_heads=False, compile=True)", plain_c.shape[1] - prompt_length,
                          plain_c_seconds, 1.0, None if args.do_sample else torch.equal(plain_c, ref)))
         if stats is not None and _method_label(model, options) not in ("bpd", "bpd, compiled"):
             plain, plain_seconds = _timed(lambda: model.generate(**inputs, **kwargs, **plain_bpd))
-            rows.append(("bpd (heads' top-1 draft" + (", compiled)" if args.compile else ")"), plain.shape[1] - prompt_length, plain_seconds,
+            rows.append(("bpd (heads' top-1 draft" + (", compiled)" if compiled else ")"), plain.shape[1] - prompt_length, plain_seconds,
                          model.last_generation_stats.block_efficiency,
                          None if args.do_sample else torch.equal(plain, ref)))
         rows.append((f"{label} (above)", new_tokens, seconds, stats.block_efficiency if stats else 1.0,
@@ -224,7 +229,7 @@ def cmd_bench(args) -> int:
                                  draft_top_k=args.draft_top_k, pld_tokens=args.pld_tokens,
                                  early_exit_layer=args.early_exit_layer)
     decoders = bench.default_decoders(options)
-    methods = bench.parse_methods(args.methods, list(decoders))
+    methods = bench.parse_methods(args.methods or ",".join(bench.DEFAULT_METHODS), list(decoders))
     questions = _questions(args)
     _writable_file(args.output)
     _writable_dir(args.plot)
@@ -360,6 +365,34 @@ def cmd_tune_alpha(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from .evaluation.bench import encode_messages
+    from .evaluation.calibration import calibrate, reliability_table
+
+    _positive(args, "limit", "max_new_tokens", "threads", "bins")
+    questions = _questions(args)
+    _writable_file(args.output)
+    model, tokenizer = _setup(args)
+    if not hasattr(model, "heads"):
+        raise ValueError(f"{args.model} is a plain base model: calibrate a heads checkpoint")
+    prompts = [encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], args.chat) for q in questions]
+    options = {} if args.rescorer is None else {"rescorer": args.rescorer}
+    calibration, records = calibrate(model, prompts, args.max_new_tokens, args.bins, **options)
+    print(reliability_table(calibration, records), end="")
+    print(f"{len(records)} tried draft tokens from {len(prompts)} prompts")
+    if args.output:
+        Path(args.output).write_text(json.dumps({"calibration": calibration.to_dict(), "records": records}))
+    if args.save:
+        config_file = Path(args.model) / "config.json"
+        if not config_file.exists():
+            raise ValueError(f"--save writes into a local checkpoint's config.json; {config_file} does not exist")
+        config = json.loads(config_file.read_text())
+        config["head_calibration"] = calibration.to_dict()
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        print(f"saved head_calibration to {config_file}")
+    return 0
+
+
 def cmd_train(args, rest: list[str] | None = None) -> int:
     """Run `hf_bpd.training.train_heads` in this process (its options follow `train`)."""
     from .training.train_heads import main as train_main
@@ -431,13 +464,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tree", default=None, metavar="WIDTHS",
                      help="Medusa-style sparse tree, top-k widths per head, e.g. 4,2,2,1")
     gen.add_argument("--num-heads-to-use", type=int, default=None, help="draft with only the first N heads")
-    gen.add_argument("--compile", action="store_true",
+    gen.add_argument("--prompt-lookup", action=argparse.BooleanOptionalAction, default=None,
+                     help="also draft prompt lookup's copy of the context and verify it with the heads' drafts "
+                          "(default: the checkpoint's)")
+    gen.add_argument("--draft-schedule", choices=["fixed", "cost"], default=None,
+                     help="fixed: verify every drafted token; cost: only those expected to pay for their verification "
+                          "(calibrated head confidences x this machine's forward costs); default: the checkpoint's")
+    gen.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                      help="verify with a torch.compile'd step on a static cache (first use compiles, ~1-2 min for "
-                          "SmolLM2 on a CPU; --compare then also times compiled plain decoding)")
+                          "SmolLM2 on a CPU; --compare then also times compiled plain decoding); default: the "
+                          "checkpoint's (--no-compile: eager)")
     gen.add_argument("--compare", action="store_true",
                      help="also run the base's plain generate() (and plain BPD) and print a side-by-side table")
     gen.set_defaults(func=cmd_generate)
 
+    from .evaluation.bench import DEFAULT_METHODS
     from .evaluation.bench import methods as bench_methods
 
     bench = sub.add_parser(
@@ -450,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "transformers) are listed as skipped. --output writes every per-prompt figure as JSON.")
     _add_common(bench)
     bench.add_argument("--methods", default=None,
-                       help=f"comma-separated, from: {','.join(bench_methods())} (default: all; ar always runs)")
+                       help=f"comma-separated, from: {','.join(bench_methods())} (default: {','.join(DEFAULT_METHODS)}; ar always runs)")
     bench.add_argument("--multi-turn", action="store_true",
                        help="run every MT-bench turn as a conversation (earlier answers: ar's), not only turn 1")
     bench.add_argument("--tree", default="4,2,2,1", metavar="WIDTHS",
@@ -495,6 +536,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="model dtype (default float32)")
     prof.add_argument("--output", metavar="FILE.json", help="also write the table as JSON")
     prof.set_defaults(func=cmd_profile)
+
+    cal = sub.add_parser(
+        "calibrate", help="measure how often each head's drafted token is accepted per confidence bin "
+                          "(for draft_schedule='cost')",
+        description="Chain decoding on held-out prompts; prints per head and confidence bin the tries, the mean "
+                    "head probability and the measured acceptance rate; --save writes the fitted table into the "
+                    "checkpoint's config.json (head_calibration).")
+    _add_common(cal, model_default=None)
+    cal.set_defaults(questions="benchmarks/tune_prompts.jsonl", max_new_tokens=256)
+    cal.add_argument("--rescorer", choices=["none", *available_rescorers()], default=None,
+                     help="the rescorer drafting uses (default: the checkpoint's)")
+    cal.add_argument("--bins", type=int, default=10, help="confidence bins per head (default 10)")
+    cal.add_argument("--save", action="store_true", help="write head_calibration into MODEL/config.json")
+    cal.set_defaults(func=cmd_calibrate)
 
     from .rescorers.kenlm import add_parser as add_build_ngram
 

@@ -45,6 +45,9 @@ class BlockwiseParallelConfig(PretrainedConfig):
     still load (`legacy_generation_options`).
         base_adapter (`str`, *optional*): a peft LoRA adapter for the base (Medusa-2 training), merged into the base
             on load.
+        head_calibration (`dict`, *optional*): measured acceptance rate of each head's drafted token per confidence
+            bin (`{"edges": [...], "accept": [[...] per head]}`), written by `hf-bpd calibrate` and read by
+            `draft_schedule="cost"` (`hf_bpd.generation.budget`).
     """
 
     model_type = "blockwise_parallel"
@@ -65,6 +68,7 @@ class BlockwiseParallelConfig(PretrainedConfig):
         text_config: dict | PretrainedConfig | None = None,
         rescorers: dict | None = None,
         base_adapter: str | None = None,
+        head_calibration: dict | None = None,
         **kwargs,
     ):
         if isinstance(text_config, dict):
@@ -94,6 +98,7 @@ class BlockwiseParallelConfig(PretrainedConfig):
         kwargs.pop("rescorer_alpha", None)
         self.rescorers = rescorers or {}
         self.base_adapter = base_adapter
+        self.head_calibration = head_calibration
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
         self.validate_heads()
@@ -154,6 +159,10 @@ class BlockwiseParallelConfig(PretrainedConfig):
                                                   1 <= self.draft_vocab_size <= (self.vocab_size or 1 << 62)):
             raise BPDConfigError(f"draft_vocab_size must be an integer in [1, {self.vocab_size}] (the base vocabulary), "
                                  f"got {self.draft_vocab_size!r}")
+        if self.head_calibration is not None:
+            from .generation.budget import HeadCalibration
+
+            HeadCalibration.from_dict(self.head_calibration)  # raises a one-line error when malformed
         from .rescorers.base import available_rescorers
 
         for name, spec in self.rescorers.items():

@@ -111,6 +111,7 @@ class DraftHeads(nn.Module):
         # The base's output layer is shared, never copied: it is looked up at call time (a tied or LoRA'd lm_head
         # keeps working) and is not part of this module's state dict.
         self._output_embeddings = [output_embeddings]
+        self._projection_cache = None  # (key, draft-vocabulary rows of the output layer) at inference
         # The draft vocabulary's token ids are part of the heads' state (saved in heads.safetensors).
         if config.draft_vocab_size is not None:
             ids = (torch.tensor(config.draft_vocab, dtype=torch.long) if config.draft_vocab is not None
@@ -127,7 +128,19 @@ class DraftHeads(nn.Module):
 
     def _base_projection_weight(self) -> torch.Tensor:
         weight = self._output_embeddings[0].weight
-        return weight if self.draft_vocab is None else weight.index_select(0, self.draft_vocab.to(weight.device))
+        if self.draft_vocab is None:
+            return weight
+        if torch.is_grad_enabled() and weight.requires_grad:  # training through the output layer: no caching
+            return weight.index_select(0, self.draft_vocab.to(weight.device))
+        # Inference: project onto the draft vocabulary once, not once per step (the selected rows are 19 MB for
+        # SmolLM2's 8k draft vocabulary); rebuilt if the output layer's weights or the vocabulary change.
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, self.draft_vocab.data_ptr(),
+               self.draft_vocab._version)
+        if self._projection_cache is None or self._projection_cache[0] != key:
+            with torch.no_grad():
+                rows = weight.index_select(0, self.draft_vocab.to(weight.device))
+            self._projection_cache = (key, rows)
+        return self._projection_cache[1]
 
     def _base_projection_bias(self) -> torch.Tensor | None:
         bias = getattr(self._output_embeddings[0], "bias", None)

@@ -55,6 +55,14 @@ class Lattice:
     def path_tokens(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(int(self.tokens[i, r]) for i, r in enumerate(ranks))
 
+    def token_probs(self, tokens: tuple[int, ...]) -> list[float]:
+        """The heads' probabilities of `tokens` (one per head, in order; 0 for a token outside a head's top-k)."""
+        out = []
+        for i, token in enumerate(tokens[: self.num_heads]):
+            hit = (self.tokens[i] == token).nonzero()
+            out.append(float(self.logprobs[i, hit[0, 0]].exp()) if len(hit) else 0.0)
+        return out
+
     def best_paths(self, p: int) -> list[Draft]:
         """The `p` highest-scoring paths under the heads alone (the paper's "p-best 0-gram" drafts), best first.
 

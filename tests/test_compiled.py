@@ -39,7 +39,20 @@ def test_compiled_decoding_equals_the_base_greedy_output(model, options):
     # the steps compiled once: later calls pay nothing
     assert model.last_generation_stats.compile_seconds == 0.0
     runner = next(iter(verify._RUNNERS[model.base_lm].values()))
-    assert set(runner.compiled_buckets) <= {1, 4, 10, 11}
+    assert set(runner.compiled_buckets) <= {1, 4, 7, 10, 11} and runner.compiled_heads  # + the heads step
+
+
+def test_compiled_cost_schedule_and_prompt_lookup_are_exact(model):
+    """The cost schedule uses the compiled one-token and chain steps (compiled above) and their timed costs."""
+    for seed, options in enumerate([{"draft_schedule": "cost"}, {"prompt_lookup": True},
+                                    {"prompt_lookup": True, "draft_schedule": "cost"}]):
+        phrase = prompt(20 + seed, 4)
+        ids = torch.cat([phrase, prompt(30 + seed, 3), phrase], dim=1)  # something to look up
+        kwargs = dict(max_new_tokens=20, do_sample=False, eos_token_id=None)
+        assert torch.equal(model.generate(ids, compile=True, **options, **kwargs),
+                           model.base_lm.generate(ids, **kwargs)), options
+    runner = next(iter(verify._RUNNERS[model.base_lm].values()))
+    assert {1, 4, 7} <= set(runner.bucket_ms) and min(runner.bucket_ms.values()) > 0
 
 
 def test_compiled_stops_and_sampling_settings(model):

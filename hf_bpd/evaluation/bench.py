@@ -17,6 +17,9 @@ methods below; `run_bench(..., decoders=...)` accepts any registry, so tests (or
 | `tree` | a Medusa-style sparse tree of top-k ranks (`--tree` widths) |
 | `tree+ngram` | n-gram-rescored p-best drafts as a tree, with as many drafts as the `--tree` has leaves |
 | `ar-compiled`, `bpd-compiled`, `bpd+NAME-compiled` | plain decoding / BPD with `generate(compile=True)`: compiled verification steps on a reused static cache (compiled in the warm-up) |
+| `...-cost` (e.g. `bpd+ngram-compiled-cost`) | the same with `draft_schedule="cost"`: each step verifies only the drafted tokens expected to pay for their cost |
+| `bpd+lookup`, `bpd+NAME+lookup` (and `-compiled`, `-cost`) | the chain plus prompt lookup's path, verified together (`prompt_lookup=True`) |
+| `default` | `model.generate()` with nothing but the checkpoint's own `generation_config.json` (what a user gets) |
 
 Serial calls: `GenerationStats` counts them for BPD; for `ar` they are the new tokens; for `pld`/`early-exit` they are
 the verification passes of transformers' assisted loop (one full-depth base forward each), recorded with public
@@ -251,16 +254,22 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
         "ar": decode_ar,
         "pld": p(decode_assisted, method="pld", prompt_lookup_num_tokens=o.pld_tokens),
         "early-exit": p(decode_early_exit, layer=o.early_exit_layer),
-        "bpd": p(decode_bpd, rescorer=None, **chain),
     }
-    for name in available_rescorers():
-        decoders[f"bpd+{name}"] = p(decode_bpd, rescorer=name, **chain, **k)
-    # Compiled verification (`generate(compile=True)`): the same loop, a compiled step on a reused static cache.
-    # `ar-compiled` is plain decoding through that machinery (one token per step): the fair baseline for it.
-    decoders["ar-compiled"] = p(decode_bpd, use_heads=False, compile=True)
-    decoders["bpd-compiled"] = p(decode_bpd, rescorer=None, compile=True, **chain)
-    for name in available_rescorers():
-        decoders[f"bpd+{name}-compiled"] = p(decode_bpd, rescorer=name, compile=True, **chain, **k)
+    # Chain BPD in every combination: rescorer (+NAME), prompt-lookup path (+lookup), compiled verification
+    # (-compiled: `generate(compile=True)`, a compiled step on a reused static cache) and cost-aware drafting (-cost).
+    # `ar-compiled` is plain decoding through the compiled machinery (one token per step): the fair baseline for it.
+    for compiled in (False, True):
+        if compiled:
+            decoders["ar-compiled"] = p(decode_bpd, use_heads=False, compile=True)
+        for schedule in ("fixed", "cost"):
+            for lookup in (False, True):
+                for name in (None, *available_rescorers()):
+                    method = "bpd" + (f"+{name}" if name else "") + ("+lookup" if lookup else "") + \
+                        ("-compiled" if compiled else "") + ("-cost" if schedule == "cost" else "")
+                    decoders[method] = p(decode_bpd, rescorer=name, compile=compiled, draft_schedule=schedule,
+                                         prompt_lookup=lookup, **chain, **({} if name is None else k))
+    # The checkpoint's own generate() defaults (its generation_config.json), whatever they are.
+    decoders["default"] = decode_bpd
     decoders.update({
         "pbest": p(decode_bpd, rescorer=None, num_drafts=o.num_drafts, tree=None, **k),
         "pbest-ngram": p(decode_bpd, rescorer="ngram", num_drafts=o.num_drafts, tree=None, **k),
@@ -269,6 +278,12 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
                         tree=None, **k),
     })
     return decoders
+
+
+# What `hf-bpd bench` runs without --methods: the paper's methods, transformers' own and the checkpoint's default
+# (the other combinations are named explicitly; compiled ones compile for minutes first).
+DEFAULT_METHODS = ("ar", "pld", "early-exit", "bpd", "bpd+ngram", "bpd+neural", "pbest", "pbest-ngram", "tree",
+                   "tree+ngram", "default")
 
 
 def methods() -> list[str]:

@@ -129,3 +129,12 @@ def save_costs(base, costs: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(costs, indent=1))
     return path
+
+
+def load_costs(base) -> dict | None:
+    """The table `hf-bpd profile` stored for this model, dtype, CPU capability and thread count, if any."""
+    path = cost_file(base)
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except (OSError, ValueError):
+        return None

@@ -8,6 +8,8 @@
 | `num_drafts` | `1` | p: drafts verified together per step (> 1: tree verification) |
 | `num_heads_to_use` | `None` | draft with only the first heads (None: all) |
 | `tree` | `None` | Medusa-style tree: top-k widths per head (`"4,2,2,1"`, `(4, 2, 2, 1)`) or rank paths (`[(0,), (1,), (0, 0)]`) |
+| `prompt_lookup` | `False` | also draft the context's continuation of its last n-gram (prompt lookup) and verify it with the heads' drafts in the same pass (`hf_bpd.generation.lookup`) |
+| `draft_schedule` | `"fixed"` | `"fixed"`: verify every drafted token; `"cost"`: per step, verify only the drafted tokens expected to pay for their verification cost (calibrated head confidences x the machine's measured forward costs; `hf_bpd.generation.budget`) |
 | `compile` | `False` | verify with a `torch.compile`d step on a reused static cache (`hf_bpd.generation.verify`); with `use_heads=False` too, for compiled plain decoding |
 
 Set them once (`model.generation_config.rescorer = "ngram"`, saved with the checkpoint) or per call
@@ -24,7 +26,8 @@ from transformers import GenerationConfig
 
 from ..errors import BPDConfigError
 
-DRAFTING_DEFAULTS = {"rescorer": None, "draft_top_k": None, "num_drafts": 1, "num_heads_to_use": None, "tree": None}
+DRAFTING_DEFAULTS = {"rescorer": None, "draft_top_k": None, "num_drafts": 1, "num_heads_to_use": None, "tree": None,
+                     "prompt_lookup": False, "draft_schedule": "fixed"}
 DRAFTING_OPTIONS = tuple(DRAFTING_DEFAULTS)
 
 
@@ -66,6 +69,8 @@ class DraftingOptions:
     num_drafts: int = 1
     num_heads_to_use: int | None = None
     tree: object = None
+    prompt_lookup: bool = False
+    draft_schedule: str = "fixed"
     explicit: tuple[str, ...] = ()
 
 

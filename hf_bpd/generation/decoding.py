@@ -28,12 +28,13 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..errors import BPDConfigError
 from ..rescorers.base import HeadScoreRescorer, resolve_rescorer
+from .budget import SCHEDULES, DraftBudget, HeadCalibration, eager_costs
 from .config import DraftingOptions
 from .drafting import BlockDrafter, NoDrafter
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import StopGuard
 from .tree import DraftTree, parse_tree
-from .verify import _RUNNERS, EagerVerifier, compiled_verifier
+from .verify import _RUNNERS, EagerVerifier, compiled_verifier, head_top_k
 
 MAX_DRAFT_TOP_K = 64  # lattice width ceiling (rescoring cost grows with it)
 MAX_NUM_DRAFTS = 64  # drafts verified together ceiling (the verification block grows with it)
@@ -47,6 +48,8 @@ class DecodingPlan:
     stats: GenerationStats
     streamer: BaseStreamer | None = None
     compile: bool = False  # verify with the compiled step on a static cache (`hf_bpd.generation.verify`)
+    schedule: str = "fixed"  # "cost": verify only the drafted tokens that pay (`hf_bpd.generation.budget`)
+    calibration: HeadCalibration | None = None
 
 
 def _int_option(name: str, value, low: int, high: int) -> int:
@@ -74,11 +77,18 @@ def plan_drafting(model, options: DraftingOptions) -> DecodingPlan:
         if widest > vocab:
             raise BPDConfigError(f"tree ranks reach {widest - 1}, beyond the {vocab}-token draft vocabulary: use "
                                  "smaller ranks")
+    if not isinstance(options.prompt_lookup, bool):
+        raise BPDConfigError(f"prompt_lookup must be True or False, got {options.prompt_lookup!r}")
+    if options.draft_schedule not in SCHEDULES:
+        raise BPDConfigError(f"draft_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got "
+                             f"{options.draft_schedule!r}")
     rescorer.check_compatible(model)
     rescorer.reset()
     method = "tree" if choices is not None else ("p-best" if num_drafts > 1 else "chain")
-    drafter = BlockDrafter(model.heads, n, top_k, num_drafts, rescorer, choices)
-    return DecodingPlan(drafter=drafter, stats=GenerationStats(method=method))
+    method += "+lookup" if options.prompt_lookup else ""
+    drafter = BlockDrafter(model.heads, n, top_k, num_drafts, rescorer, choices, options.prompt_lookup)
+    return DecodingPlan(drafter=drafter, stats=GenerationStats(method=method), schedule=options.draft_schedule,
+                        calibration=HeadCalibration.from_dict(getattr(config, "head_calibration", None)))
 
 
 def plan_plain() -> DecodingPlan:
@@ -101,7 +111,8 @@ def check_supported(input_ids, generation_config, model_kwargs, compiled: bool =
     if generation_config.prompt_lookup_num_tokens is not None or generation_config.assistant_early_exit is not None \
             or getattr(generation_config, "use_mtp", False):
         raise BPDConfigError("another drafting method was requested (prompt lookup / early exit / MTP): pass "
-                             "use_heads=False to use it instead of the heads")
+                             "use_heads=False to use it instead of the heads, or prompt_lookup=True to add prompt "
+                             "lookup's path to the heads' drafts")
     cache = model_kwargs.get("past_key_values")
     if generation_config.cache_implementation not in (None, "dynamic") or (
         cache is not None and not isinstance(cache, DynamicCache)
@@ -135,11 +146,19 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
             verifier, runner = compiled_verifier(model, generation_config.max_length,
                                                  model_kwargs.get("attention_mask")) or (None, None)
             if runner is not None:
-                bucket = plan.drafter.max_block_length()  # one compiled shape per drafting plan
-                done = set(runner.compiled_buckets)
-                compiled = runner.warm_up([bucket], input_ids.device)
-                plan.stats.compile_seconds = sum(v for b, v in compiled.items() if b not in done)
-                verifier.bucket = bucket
+                # One compiled shape per drafting plan (its largest block); "cost" also compiles the one-token step.
+                # The heads' lattice comes from a compiled heads step too.
+                largest = plan.drafter.max_block_length()
+                buckets = sorted({1, largest} if plan.schedule == "cost" else {largest})
+                heads = model.heads if isinstance(plan.drafter, BlockDrafter) else None
+                top_k = head_top_k(plan.drafter.top_k, model.config.draft_size) if heads is not None else 0
+                before = sum(runner.compiled_buckets.values()) + sum(runner.compiled_heads.values())
+                runner.warm_up(buckets, input_ids.device, heads, top_k)
+                plan.stats.compile_seconds = sum(runner.compiled_buckets.values()) + \
+                    sum(runner.compiled_heads.values()) - before
+                verifier.buckets = buckets
+                if heads is not None:
+                    plan.drafter.head_top = runner.heads_step(heads, top_k)
         except Exception as err:  # noqa: BLE001 - a failing compiler must not break generation
             warnings.warn(f"hf_bpd: torch.compile failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
                           "decoding eagerly", stacklevel=3)
@@ -147,11 +166,21 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
             verifier, runner = None, None
     if verifier is None:
         verifier = EagerVerifier(model, model_kwargs.get("past_key_values"), model_kwargs.get("attention_mask"))
+    budget = None
+    if plan.schedule == "cost" and plan.drafter.max_block_length() > 1:
+        costs = {b: runner.bucket_ms[b] for b in verifier.buckets} if runner is not None else \
+            eager_costs(model.base_lm, plan.drafter.max_block_length())
+        budget = DraftBudget(costs, plan.calibration)
     with runner.lock if runner is not None else contextlib.nullcontext():
-        return _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan)
+        return _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan, budget)
 
 
-def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan):
+def _within(drafts: list[tuple[int, ...]], depth: int) -> list[tuple[int, ...]]:
+    """The drafts cut to their first `depth` tokens (duplicates dropped)."""
+    return list(dict.fromkeys(d[:depth] for d in drafts if depth > 0))
+
+
+def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan, budget=None):
     stats, drafter, streamer = plan.stats, plan.drafter, plan.streamer
     do_sample = generation_config.do_sample
     keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
@@ -189,7 +218,14 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
     while guard.stop_length is None:
         start = time.perf_counter()
         room = generation_config.max_length - sequence.shape[1] - 1
-        tree = DraftTree(drafter.drafts(hidden, sequence[0].tolist(), room))
+        drafts, probs = drafter.drafts(hidden, sequence[0].tolist(), room)
+        stats.draft_probs.append(probs)
+        if budget is not None and drafts:
+            steps = len(stats.accepted_lengths)
+            depth = budget.choose(probs, overhead_ms=1000 * stats.draft_seconds / steps,
+                                  block_cost=lambda k: 1 + len({d[:j] for d in drafts for j in range(1, k + 1)}))
+            drafts = _within(drafts, depth)
+        tree = DraftTree(drafts)
         stats.draft_seconds += time.perf_counter() - start
 
         block_logits, block_hidden = verifier.verify(int(sequence[0, -1]), tree, sequence.device)

@@ -6,6 +6,7 @@ import torch
 
 from ..lattice import Lattice
 from ..rescorers.base import HeadScoreRescorer, Rescorer
+from .lookup import prompt_lookup
 
 
 class BlockDrafter:
@@ -18,24 +19,29 @@ class BlockDrafter:
         num_drafts: drafts returned per step (p-best); 1 for chain decoding.
         rescorer: picks drafts from the lattice; `HeadScoreRescorer` (head scores only) by default.
         tree_choices: Medusa-style rank paths; when given, the drafts are those paths instead.
+        prompt_lookup: also draft the context's own continuation of its last n-gram (`hf_bpd.generation.lookup`),
+            as many tokens as the heads draft, verified with the heads' drafts in the same pass.
     """
 
     def __init__(self, heads, num_heads: int, top_k: int = 1, num_drafts: int = 1, rescorer: Rescorer | None = None,
-                 tree_choices: list[tuple[int, ...]] | None = None):
+                 tree_choices: list[tuple[int, ...]] | None = None, prompt_lookup: bool = False):
         self.heads = heads
         self.num_heads = num_heads
         self.top_k = top_k
         self.num_drafts = num_drafts
         self.rescorer = rescorer or HeadScoreRescorer()
         self.tree_choices = tree_choices
+        self.prompt_lookup = prompt_lookup
+        self.head_top = None  # hidden -> (top-k log-probs, indices) of every head; set when decoding compiles
         if tree_choices:
             self.top_k = max(top_k, 1 + max(r for c in tree_choices for r in c))
 
     def max_block_length(self) -> int:
         """The most tokens one verification pass can hold: the last token plus every draft node."""
+        lookup = self.num_heads if self.prompt_lookup else 0
         if self.tree_choices is not None:
-            return 1 + len(self.tree_choices)
-        return 1 + self.num_heads * self.num_drafts
+            return 1 + len(self.tree_choices) + lookup
+        return 1 + self.num_heads * self.num_drafts + lookup
 
     @torch.no_grad()
     def lattice(self, hidden: torch.Tensor, num_heads: int | None = None) -> Lattice:
@@ -43,19 +49,42 @@ class BlockDrafter:
         return Lattice.from_head_logits(logits, self.top_k, self.heads.to_vocab_ids)
 
     @torch.no_grad()
-    def drafts(self, hidden: torch.Tensor, context: list[int], max_length: int) -> list[tuple[int, ...]]:
-        """Draft token sequences (at most `max_length` tokens each) following `context`, best first."""
+    def drafts(self, hidden: torch.Tensor, context: list[int], max_length: int
+               ) -> tuple[list[tuple[int, ...]], list[float]]:
+        """Draft token sequences (at most `max_length` tokens each) following `context`, best first (the prompt-lookup
+        path, if any, last), and the heads' probabilities of the best draft's tokens (what `draft_schedule="cost"`
+        weighs)."""
+        drafts, probs = self.head_drafts(hidden, context, max_length)
+        if self.prompt_lookup and drafts:
+            copied = prompt_lookup(context, max(len(d) for d in drafts))
+            if copied and not any(d[: len(copied)] == copied for d in drafts):
+                drafts.append(copied)
+        return drafts, probs
+
+    @torch.no_grad()
+    def head_drafts(self, hidden: torch.Tensor, context: list[int], max_length: int
+                    ) -> tuple[list[tuple[int, ...]], list[float]]:
+        """The heads' drafts (see `drafts`)."""
         n = min(self.num_heads, max_length)
         if n <= 0:
-            return []
-        if self.tree_choices is None and self.top_k == 1 and type(self.rescorer) is HeadScoreRescorer:
-            # Plain BPD: the argmax of each head, no lattice needed.
-            best = self.heads.step_logits(hidden, n).argmax(-1)
-            return [tuple(self.heads.to_vocab_ids(best).tolist())]
-        lattice = self.lattice(hidden, n)
+            return [], []
+        plain = self.tree_choices is None and self.top_k == 1 and type(self.rescorer) is HeadScoreRescorer
+        if self.head_top is not None:  # the compiled heads step (generate(compile=True))
+            values, indices = self.head_top(hidden)
+            values, indices = values[:n, : self.top_k].cpu(), indices[:n, : self.top_k]
+            if plain:
+                return [tuple(self.heads.to_vocab_ids(indices[:, 0]).tolist())], values[:, 0].exp().tolist()
+            lattice = Lattice(self.heads.to_vocab_ids(indices).cpu(), values)
+        elif plain:  # Plain BPD: the argmax of each head, no lattice needed.
+            best = torch.softmax(self.heads.step_logits(hidden, n).float(), dim=-1).max(-1)
+            return [tuple(self.heads.to_vocab_ids(best.indices).tolist())], best.values.tolist()
+        else:
+            lattice = self.lattice(hidden, n)
         if self.tree_choices is not None:
-            return [lattice.path_tokens(c) for c in self.tree_choices if len(c) <= n]
-        return [d.tokens[:n] for d in self.rescorer.rescore(lattice, context, self.num_drafts)]
+            drafts = [lattice.path_tokens(c) for c in self.tree_choices if len(c) <= n]
+            return drafts, lattice.logprobs[:, 0].exp().tolist()  # the top-1 path's
+        drafts = [d.tokens[:n] for d in self.rescorer.rescore(lattice, context, self.num_drafts)]
+        return drafts, lattice.token_probs(drafts[0]) if drafts else []
 
 
 class NoDrafter:
@@ -64,5 +93,5 @@ class NoDrafter:
     def max_block_length(self) -> int:
         return 1
 
-    def drafts(self, hidden, context, max_length) -> list:
-        return []
+    def drafts(self, hidden, context, max_length) -> tuple[list, list]:
+        return [], []

@@ -20,6 +20,7 @@ class GenerationStats:
     new_tokens: int = 0
     accepted_lengths: list[int] = field(default_factory=list)
     draft_tokens: list[int] = field(default_factory=list)  # tokens sent to verification per call (tree nodes)
+    draft_probs: list[list[float]] = field(default_factory=list)  # heads' probabilities of each step's best draft
     draft_seconds: float = 0.0
     total_seconds: float = 0.0
     method: str = "chain"
@@ -53,6 +54,7 @@ class GenerationStats:
             "mean_accepted": self.mean_accepted,
             "accepted_lengths": list(self.accepted_lengths),
             "draft_tokens": list(self.draft_tokens),
+            "draft_probs": [list(p) for p in self.draft_probs],
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "total_seconds": self.total_seconds,

@@ -18,12 +18,14 @@ the eager verifier with a one-line warning.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
 import weakref
 
 import torch
+import torch._dynamo.config as dynamo_config
 import torch._inductor.config as inductor_config
 from torch import nn
 from transformers.cache_utils import DynamicCache, StaticCache
@@ -31,6 +33,7 @@ from transformers.cache_utils import DynamicCache, StaticCache
 from .tree import DraftTree, keep_accepted, tree_attention_masks
 
 CACHE_BUCKET = 1024  # static caches hold a multiple of this many tokens
+MAX_COMPILED_SHAPES = 64  # block lengths one runner may compile (dynamo's own limit is 8)
 INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
@@ -78,6 +81,18 @@ class EagerVerifier:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+class _Patches(contextlib.ExitStack):
+    """The compile settings, applied around every call of a compiled step (see `CompiledRunner`). dynamo compiles
+    at most `recompile_limit` (default 8) shapes per function and then silently runs it eagerly (measured: block
+    lengths 8..16 of `hf-bpd profile` ran uncompiled); each block length is one shape, so the limit is raised."""
+
+    def __enter__(self):
+        super().__enter__()
+        self.enter_context(inductor_config.patch(INDUCTOR_OPTIONS))
+        self.enter_context(dynamo_config.patch(recompile_limit=MAX_COMPILED_SHAPES))
+        return self
+
+
 class _Step(nn.Module):
     """The base's decoder and output layer as one module, the unit `torch.compile` freezes."""
 
@@ -98,8 +113,49 @@ class _Step(nn.Module):
         return logits, hidden
 
 
+class _HeadsStep(nn.Module):
+    """Every drafting head on one hidden state, down to the top-k lattice: `(log-probabilities, draft-vocabulary
+    indices)`, `(num_heads, top_k)` each. Compiled like the verification step (frozen weights, CPU GEMM templates):
+    measured on SmolLM2's 4 heads, ~1.1 ms instead of ~4.4 ms eagerly for one drafting step. (Running the heads
+    inside the verification graph on every block position cost more: +5.5 ms per step.)"""
+
+    def __init__(self, heads, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.head_blocks = nn.ModuleList(head.blocks for head in heads.heads)
+        self.head_projections = None
+        if heads.heads[0].projection is not None:
+            self.head_projections = nn.ModuleList(head.projection for head in heads.heads)
+        with torch.no_grad():  # the draft-vocabulary rows of the tied output layer, selected once
+            weight = heads._base_projection_weight().detach()
+            bias = heads._base_projection_bias()
+        self.register_buffer("projection", weight, persistent=False)
+        self.register_buffer("projection_bias", None if bias is None else bias.detach(), persistent=False)
+        self.softcap = heads.logit_softcapping
+
+    def forward(self, hidden):
+        states = torch.cat([blocks(hidden[None]) for blocks in self.head_blocks])  # (heads, hidden)
+        if self.head_projections is not None:
+            logits = torch.cat([proj(state[None]) for proj, state in zip(self.head_projections, states)])
+        else:
+            logits = nn.functional.linear(states, self.projection, self.projection_bias)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        logits = logits.float()
+        top = logits.topk(self.top_k, dim=-1)
+        return top.values - logits.logsumexp(-1, keepdim=True), top.indices
+
+
+def head_top_k(top_k: int, draft_size: int) -> int:
+    """The lattice width the compiled heads step computes for a plan of width `top_k`: 16 or 64 (one graph serves
+    every plan up to it), at most the draft vocabulary."""
+    return min(16 if top_k <= 16 else 64, draft_size)
+
+
 class CompiledRunner:
-    """One base model's static cache and compiled steps (one graph per block bucket), shared by every call."""
+    """One base model's static cache and compiled steps, shared by every call: the verification step (one graph
+    per block length, `compiled_buckets`) and, per heads module and lattice width, the heads step
+    (`compiled_heads`)."""
 
     def __init__(self, base, max_cache_len: int):
         self.base = base
@@ -108,31 +164,63 @@ class CompiledRunner:
         self.step = _Step(base, self.cache).eval()
         # The inductor settings are applied with `config.patch` around every call (compilation happens lazily, in the
         # first call per shape): passing them as `torch.compile(options=...)` did not enable the GEMM templates here
-        # (measured: 43 ms vs 21 ms per one-token step on SmolLM2), and setting them globally would change the
+        # (measured: 43 ms vs 21 ms per one-token SmolLM2 step), and setting them globally would change the
         # user's own compiles.
         self.compiled = torch.compile(self.step, dynamic=False)
+        self.heads_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # heads -> {top_k: compiled}
         self.lock = threading.RLock()  # warm_up may run inside a caller that holds it
-        self.compiled_buckets: dict[int, float] = {}  # bucket -> seconds its first call took (compilation)
+        self.compiled_buckets: dict[int, float] = {}  # block length -> seconds its first call took (compilation)
+        self.bucket_ms: dict[int, float] = {}  # block length -> median ms of the step (timed after compiling)
+        self.compiled_heads: dict[tuple[int, int], float] = {}  # (id(heads), top_k) -> seconds compiling took
 
     def run(self, input_ids, position_ids, cache_position, attention_mask):
         q = input_ids.shape[1]
         start = time.perf_counter()
-        with inductor_config.patch(INDUCTOR_OPTIONS):
+        with _Patches():
             logits, hidden = self.compiled(input_ids, position_ids, cache_position, attention_mask)
         if q not in self.compiled_buckets:
             self.compiled_buckets[q] = time.perf_counter() - start
         return logits, hidden
 
-    def warm_up(self, buckets, device) -> dict[int, float]:
-        """Compile the steps of `buckets` now (outside any timed region); returns seconds per bucket."""
+    def heads_step(self, heads, top_k: int):
+        """The compiled heads step for `heads` at lattice width `top_k`: `hidden (hidden_size,) -> (values, indices)`."""
+        by_width = self.heads_steps.setdefault(heads, {})
+        if top_k not in by_width:
+            compiled = torch.compile(_HeadsStep(heads, top_k).eval(), dynamic=False)
+            key = (id(heads), top_k)
+
+            def run(hidden):
+                start = time.perf_counter()
+                with _Patches():
+                    out = compiled(hidden)
+                if key not in self.compiled_heads:
+                    self.compiled_heads[key] = time.perf_counter() - start
+                return out
+
+            by_width[top_k] = run
+        return by_width[top_k]
+
+    def warm_up(self, buckets, device, heads=None, top_k: int = 0) -> dict[int, float]:
+        """Compile the verification steps of `buckets` (block lengths), and the heads step when `heads` are given,
+        now (outside any timed region), and time each step; returns `{block length: seconds compiling took}`."""
         with self.lock, torch.no_grad():
+            if heads is not None:
+                self.heads_step(heads, top_k)(torch.zeros(self.base.config.get_text_config().hidden_size,
+                                                          dtype=self.base.dtype, device=device))
             for b in buckets:
                 if b in self.compiled_buckets:
                     continue
                 self.reset()
                 mask = torch.zeros(1, 1, b, self.max_cache_len, dtype=self.base.dtype, device=device)
                 positions = torch.arange(b, device=device)
-                self.run(torch.zeros(1, b, dtype=torch.long, device=device), positions[None], positions, mask)
+                tokens = torch.zeros(1, b, dtype=torch.long, device=device)
+                self.run(tokens, positions[None], positions, mask)
+                times = []
+                for _ in range(5):  # the step's cost, for draft_schedule="cost"
+                    start = time.perf_counter()
+                    self.run(tokens, positions[None], positions, mask)
+                    times.append(time.perf_counter() - start)
+                self.bucket_ms[b] = 1000 * sorted(times)[2]
             self.reset()
         return dict(self.compiled_buckets)
 
@@ -181,7 +269,7 @@ class CompiledVerifier:
         self.model, self.base, self.runner = model, model.base_lm, runner
         self.cache = runner.cache
         self.length = 0  # tokens in the cache
-        self.bucket = 1
+        self.buckets = [1]  # the compiled block lengths this call uses; a block is padded to the next one
 
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt pass, eager, writing into the static cache (the call holds the runner's lock from here on)."""
@@ -194,7 +282,7 @@ class CompiledVerifier:
 
     def verify(self, last_token: int, tree: DraftTree, device) -> tuple[torch.Tensor, torch.Tensor]:
         q = len(tree) + 1
-        b = max(self.bucket, q)  # one shape per call: the plan's largest block
+        b = next((x for x in self.buckets if x >= q), q)  # the smallest compiled shape that holds the block
         past = self.length
         tokens = torch.zeros(1, b, dtype=torch.long, device=device)
         tokens[0, :q] = torch.tensor([last_token] + tree.tokens, dtype=torch.long)

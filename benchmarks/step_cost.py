@@ -1,0 +1,107 @@
+"""Where a drafted step's time goes: wall time per serial call of each part of the decoding loop.
+
+    python benchmarks/step_cost.py --heads 3 --limit 4            # compiled, bpd+ngram, 3 heads
+    python benchmarks/step_cost.py --heads 4 --eager --rescorer none
+
+Parts are timed by wrapping the library's functions for this process only (no profiler, so Python is not slowed):
+drafts (all drafting: heads, lattice, rescoring, prompt lookup), of which heads / lattice / rescore; verify (the
+verification call: building the block, mask and positions + the forward), of which forward (the compiled step or the
+eager model call); keep (cache rollback); the rest of the loop (acceptance walk, logits processors, stopping
+criteria, bookkeeping) is total - drafts - verify - keep.
+"""
+
+import argparse
+import collections
+import functools
+import time
+
+import torch
+
+import hf_bpd
+from hf_bpd.evaluation.bench import encode_messages, load_questions
+from hf_bpd.generation import drafting, verify
+from hf_bpd.lattice import Lattice
+
+TIMES = collections.defaultdict(float)
+
+
+def timed(owner, name, label):
+    original = getattr(owner, name)
+    is_static = isinstance(owner.__dict__.get(name), (classmethod, staticmethod))
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            TIMES[label] += time.perf_counter() - start
+
+    setattr(owner, name, classmethod(lambda cls, *a, **k: wrapper(*a, **k)) if is_static else wrapper)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="checkpoints/smollm2-135m-instruct-bpd")
+    p.add_argument("--questions", default="benchmarks/bench_prompts.jsonl")
+    p.add_argument("--limit", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--heads", type=int, default=3)
+    p.add_argument("--rescorer", default="ngram")
+    p.add_argument("--eager", action="store_true")
+    p.add_argument("--prompt-lookup", action="store_true")
+    p.add_argument("--schedule", default="fixed")
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    model = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.model)
+    tok = hf_bpd.load_tokenizer(args.model)
+    inputs = [encode_messages(tok, [{"role": "user", "content": q["turns"][0]}])
+              for q in load_questions(args.questions)[: args.limit]]
+    options = dict(rescorer=None if args.rescorer == "none" else args.rescorer, compile=not args.eager,
+                   num_heads_to_use=args.heads, prompt_lookup=args.prompt_lookup, draft_schedule=args.schedule)
+    model.generate(**inputs[0], max_new_tokens=8, **options)  # warm-up / compile
+    plain = dict(use_heads=False, compile=not args.eager)
+    if not args.eager:
+        model.generate(**inputs[0], max_new_tokens=8, **plain)
+    timed(drafting.BlockDrafter, "drafts", "drafts")
+    timed(model.heads.__class__, "step_logits", "heads")
+    timed(Lattice, "from_head_logits", "lattice")
+    rescorer = model.bundled_rescorers.get(args.rescorer) if args.rescorer != "none" else None
+    if rescorer is not None:
+        timed(type(rescorer), "rescore", "rescore")
+    verifier = verify.EagerVerifier if args.eager else verify.CompiledVerifier
+    timed(verifier, "verify", "verify")
+    timed(verifier, "keep", "keep")
+    if not args.eager:
+        timed(verify.CompiledRunner, "run", "forward")
+    calls = tokens = 0
+    total = 0.0
+    for inp in inputs:
+        start = time.perf_counter()
+        model.generate(**inp, max_new_tokens=args.max_new_tokens, **options)
+        total += time.perf_counter() - start
+        calls += model.last_generation_stats.serial_calls
+        tokens += model.last_generation_stats.new_tokens
+    parts = dict(TIMES)
+    TIMES.clear()
+    plain_total = plain_calls = 0
+    for inp in inputs:
+        start = time.perf_counter()
+        model.generate(**inp, max_new_tokens=args.max_new_tokens, **plain)
+        plain_total += time.perf_counter() - start
+        plain_calls += model.last_generation_stats.serial_calls if not args.eager else \
+            model.last_generation_stats.new_tokens
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {args.heads} heads, rescorer {args.rescorer}, "
+          f"{'eager' if args.eager else 'compiled'}, lookup {args.prompt_lookup}, schedule {args.schedule}")
+    print(f"block efficiency {tokens / calls:.2f}; {1000 * total / calls:.1f} ms per drafted serial call; plain "
+          f"{1000 * plain_total / plain_calls:.1f} ms per call; speed vs plain "
+          f"{tokens / total / (plain_calls / plain_total):.2f}x")
+    rest = total - parts.get("drafts", 0) - parts.get("verify", 0) - parts.get("keep", 0)
+    for name in ("drafts", "heads", "lattice", "rescore", "verify", "forward", "keep"):
+        if name in parts:
+            print(f"  {name:8s} {1000 * parts[name] / calls:6.2f} ms/call")
+    print(f"  {'rest':8s} {1000 * rest / calls:6.2f} ms/call")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Cost-aware drafting (`draft_schedule="cost"`): per step, verify only the drafted tokens that pay for themselves.
+
+Verifying `k` drafted tokens costs one base forward over `k + 1` tokens, `cost(k + 1)`, and is expected to yield
+`E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i` tokens, where `a_i` is the chance that draft token `i` is accepted once
+the tokens before it were: the head's probability of the token it drafted, mapped through the checkpoint's
+calibration table (`hf-bpd calibrate`: measured acceptance rates per head and confidence bin on held-out prompts;
+the raw probability when the checkpoint has none). Each step takes the `k` with the most expected tokens per
+millisecond, `E(k) / (cost(k + 1) + overhead)`, where `overhead` is the call's own measured drafting time per
+step. `k = 0` is a plain one-token step.
+
+The costs come from the machine: for the compiled step, the timed forward of each compiled block length (measured
+right after compiling it); eagerly, `hf-bpd profile`'s stored table for this model, dtype, CPU and thread count,
+else a short measurement on first use (a few forwards per length, once per process).
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+import time
+import weakref
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from ..errors import BPDConfigError
+
+SCHEDULES = ("fixed", "cost")
+_EAGER_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> {block length: ms}
+
+
+class HeadCalibration:
+    """Measured acceptance rate of draft token `i` (given the ones before it were accepted) per confidence bin.
+
+    `edges` are the upper bounds of the bins over the head's probability of its drafted token; `accept[i][b]` is
+    head `i`'s acceptance rate in bin `b`. Saved in the checkpoint's config as `head_calibration`.
+    """
+
+    def __init__(self, edges: list[float], accept: list[list[float]], counts: list[list[int]] | None = None):
+        if not edges or any(len(row) != len(edges) for row in accept):
+            raise BPDConfigError("head_calibration needs one acceptance rate per bin edge for every head")
+        self.edges, self.accept, self.counts = list(edges), [list(r) for r in accept], counts
+
+    def bin(self, prob: float) -> int:
+        return min(bisect.bisect_left(self.edges, prob), len(self.edges) - 1)
+
+    def rate(self, head: int, prob: float) -> float:
+        return prob if head >= len(self.accept) else self.accept[head][self.bin(prob)]
+
+    def to_dict(self) -> dict:
+        out = {"edges": self.edges, "accept": self.accept}
+        if self.counts is not None:
+            out["counts"] = self.counts
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict | None) -> HeadCalibration | None:
+        if not values:
+            return None
+        if not isinstance(values, dict) or not isinstance(values.get("edges"), list) or \
+                not isinstance(values.get("accept"), list):
+            raise BPDConfigError("head_calibration must be {'edges': [...], 'accept': [[...] per head]}: rerun "
+                                 "hf-bpd calibrate, or drop it")
+        return cls(values["edges"], values["accept"], values.get("counts"))
+
+    @classmethod
+    def fit(cls, records: list[tuple[int, float, bool]], num_heads: int, bins: int = 10,
+            prior: float = 2.0) -> HeadCalibration:
+        """From `(head, probability, accepted)` records: equal-width bins, each rate shrunk towards the bin's
+        mean probability by `prior` pseudo-observations (so a sparse bin stays near the raw probability)."""
+        edges = [(b + 1) / bins for b in range(bins)]
+        hits = [[0.0] * bins for _ in range(num_heads)]
+        totals = [[0] * bins for _ in range(num_heads)]
+        probs = [[0.0] * bins for _ in range(num_heads)]
+        for head, prob, ok in records:
+            b = min(bisect.bisect_left(edges, prob), bins - 1)  # as `bin`
+            hits[head][b] += bool(ok)
+            totals[head][b] += 1
+            probs[head][b] += prob
+        accept = []
+        for h in range(num_heads):
+            row = []
+            for b in range(bins):
+                centre = probs[h][b] / totals[h][b] if totals[h][b] else edges[b] - 0.5 / bins
+                row.append(round((hits[h][b] + prior * centre) / (totals[h][b] + prior), 4))
+            accept.append(row)
+        return cls(edges, accept, totals)
+
+
+class DraftBudget:
+    """Chooses how many drafted tokens to verify at each step (see the module docstring).
+
+    Args:
+        costs: `{block length: ms}` for the block lengths the verifier can run (at least length 1).
+        calibration: `HeadCalibration` or None (raw head probabilities).
+    """
+
+    def __init__(self, costs: dict[int, float], calibration: HeadCalibration | None = None):
+        if 1 not in costs:
+            raise ValueError("the cost table needs the one-token forward")
+        self.costs = dict(sorted(costs.items()))
+        self.calibration = calibration
+
+    def acceptance(self, probs: list[float]) -> list[float]:
+        if self.calibration is None:
+            return list(probs)
+        return [self.calibration.rate(i, p) for i, p in enumerate(probs)]
+
+    def choose(self, probs: list[float], overhead_ms: float = 0.0, block_cost=None) -> int:
+        """How many of the drafted tokens (with head probabilities `probs`, in order) to verify.
+
+        `block_cost(k)` gives the block length verifying `k` drafted tokens needs (default `k + 1`); lengths are
+        charged at the cheapest measured length that holds them.
+        """
+        rates = self.acceptance(probs)
+        best_k, best_value, expected, chain = 0, -1.0, 1.0, 1.0
+        lengths = list(self.costs)
+        for k in range(len(rates) + 1):
+            if k > 0:
+                chain *= rates[k - 1]
+                expected += chain
+            need = (k + 1) if block_cost is None else block_cost(k)
+            fit = bisect.bisect_left(lengths, need)
+            if fit == len(lengths):
+                break
+            value = expected / (self.costs[lengths[fit]] + overhead_ms)
+            if value > best_value:
+                best_k, best_value = k, value
+        return best_k
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+@torch.no_grad()
+def eager_costs(base, max_length: int, past: int = 128, repeats: int = 3) -> dict[int, float]:
+    """`{n: ms}` of eager base forwards of n = 1..max_length tokens: the stored `hf-bpd profile` table when it covers
+    them, else measured now (once per process and base)."""
+    from ..evaluation.cost import load_costs
+
+    known = _EAGER_COSTS.get(base, {})
+    if all(n in known for n in range(1, max_length + 1)):
+        return known
+    stored = load_costs(base)
+    if stored is not None and all(n in stored["lengths"] for n in range(1, max_length + 1)):
+        known = dict(zip(stored["lengths"], stored["eager_ms"]))
+    else:
+        device = base.device
+        vocab = base.config.get_text_config().vocab_size
+        cache = DynamicCache(config=base.config.get_text_config(decoder=True))
+        base(input_ids=torch.randint(0, vocab, (1, past), device=device), past_key_values=cache, use_cache=True,
+             logits_to_keep=1)
+        known = {}
+        for n in range(1, max_length + 1):
+            block = torch.randint(0, vocab, (1, n), device=device)
+
+            def step():
+                base(input_ids=block, past_key_values=cache, use_cache=True)
+                cache.crop(-n)
+
+            known[n] = _median_ms(step, repeats)
+    _EAGER_COSTS[base] = known
+    return known

@@ -1,0 +1,128 @@
+"""Cost-aware drafting (`draft_schedule="cost"`): the choice rule, the calibration fit, and exact decoding with it."""
+
+import json
+
+import pytest
+import torch
+
+from hf_bpd import BPDConfigError
+from hf_bpd.evaluation.calibration import acceptance_records, calibrate, reliability_table
+from hf_bpd.generation.budget import DraftBudget, HeadCalibration, eager_costs
+from hf_bpd.generation.stats import GenerationStats
+from tests.test_decoding import OracleRescorer, prompt_ids, random_bpd
+
+
+def test_the_budget_verifies_what_pays_for_itself():
+    flat = DraftBudget({1: 10.0, 2: 10.5, 3: 11.0, 4: 11.5, 5: 12.0})  # verifying more is nearly free
+    assert flat.choose([0.9, 0.8, 0.7, 0.6]) == 4
+    assert flat.choose([0.02, 0.9, 0.9, 0.9]) == 0  # the first token will not be accepted: the rest cannot be
+    steep = DraftBudget({1: 10.0, 2: 20.0, 3: 30.0, 4: 40.0, 5: 50.0})  # each token costs a whole forward
+    assert steep.choose([0.99, 0.99, 0.99, 0.99]) == 0  # E(k) <= k + 1 never beats the k + 1 cost
+    # eager-like: 2..5 tokens cost ~1.7x one token, so the drafts must be confident enough
+    eager = DraftBudget({1: 70.0, 2: 120.0, 3: 122.0, 4: 124.0, 5: 126.0})
+    assert eager.choose([0.3, 0.2, 0.1, 0.1]) == 0
+    assert eager.choose([0.9, 0.8, 0.7, 0.6]) == 4
+    # measured buckets only: a block is charged at the next compiled length that holds it
+    buckets = DraftBudget({1: 18.0, 5: 25.0})
+    assert buckets.choose([0.9, 0.9, 0.9, 0.9]) == 4 and buckets.choose([0.1, 0.1, 0.1, 0.1]) == 0
+    # overhead per step (drafting) makes verifying more tokens relatively cheaper
+    assert eager.choose([0.55, 0.3, 0.2, 0.1]) == 0 and eager.choose([0.55, 0.3, 0.2, 0.1], overhead_ms=200) >= 2
+
+
+def test_calibration_fit_and_lookup():
+    records = [(0, 0.95, True)] * 90 + [(0, 0.95, False)] * 10 + [(0, 0.15, False)] * 50 + [(1, 0.5, True)] * 3
+    cal = HeadCalibration.fit(records, num_heads=2, bins=10, prior=2.0)
+    assert cal.rate(0, 0.95) == pytest.approx((90 + 2 * 0.95) / 102, abs=1e-4)
+    assert cal.rate(0, 0.15) == pytest.approx(2 * 0.15 / 52, abs=1e-4)
+    assert cal.rate(1, 0.5) == pytest.approx((3 + 2 * 0.5) / 5, abs=1e-4)
+    assert cal.rate(0, 0.55) == pytest.approx(0.55, abs=1e-4)  # an empty bin: its centre
+    assert cal.rate(3, 0.42) == 0.42  # a head the table does not cover: the raw probability
+    assert HeadCalibration.from_dict(json.loads(json.dumps(cal.to_dict()))).accept == cal.accept
+    with pytest.raises(BPDConfigError, match="head_calibration"):
+        HeadCalibration.from_dict({"edges": 0.5})
+
+
+def test_acceptance_records_count_only_tried_tokens():
+    stats = GenerationStats(accepted_lengths=[0, 2, 0, 3], draft_tokens=[0, 3, 3, 3],
+                            draft_probs=[[0.9, 0.8, 0.7], [0.2, 0.9, 0.9], [0.9, 0.9, 0.9]])
+    assert acceptance_records(stats) == [(0, 0.9, True), (1, 0.8, True), (2, 0.7, False), (0, 0.2, False),
+                                         (0, 0.9, True), (1, 0.9, True), (2, 0.9, True)]
+
+
+@pytest.mark.parametrize("options", [{}, {"rescorer": "oracle"}, {"tree": (2, 2, 1)}])
+def test_cost_schedule_decodes_exactly(one_thread, options):
+    model = random_bpd("llama", 3)
+    for seed in range(3):
+        ids = prompt_ids(seed, 4 + 3 * seed)
+        kwargs = dict(max_new_tokens=20, do_sample=False, eos_token_id=None)
+        expected = model.base_lm.generate(ids, **kwargs)
+        call = dict(options)
+        if call.get("rescorer") == "oracle":
+            call["rescorer"] = OracleRescorer(expected[0].tolist())
+        got = model.generate(ids, draft_schedule="cost", **call, **kwargs)
+        assert torch.equal(got, expected), (options, seed)
+        assert len(model.last_generation_stats.draft_probs) == model.last_generation_stats.serial_calls - 1
+
+
+def test_the_calibration_steers_how_much_is_verified(one_thread):
+    model = random_bpd("llama", 4)
+    ids = prompt_ids(5, 6)
+    kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
+    expected = model.base_lm.generate(ids, **kwargs)
+    oracle = OracleRescorer(expected[0].tolist())
+    edges = [(b + 1) / 10 for b in range(10)]
+    try:
+        model.config.head_calibration = {"edges": edges, "accept": [[0.0] * 10] * 3}  # drafts never pay
+        assert torch.equal(model.generate(ids, draft_schedule="cost", rescorer=oracle, **kwargs), expected)
+        assert set(model.last_generation_stats.draft_tokens) == {0}  # plain steps only
+        model.config.head_calibration = {"edges": edges, "accept": [[1.0] * 10] * 3}  # drafts always pay
+        assert torch.equal(model.generate(ids, draft_schedule="cost", rescorer=oracle, **kwargs), expected)
+        assert model.last_generation_stats.block_efficiency > 3.0  # the oracle's drafts, all verified
+    finally:
+        model.config.head_calibration = None
+    with pytest.raises(BPDConfigError, match="draft_schedule"):
+        model.generate(ids, draft_schedule="sometimes", **kwargs)
+
+
+def test_calibrate_fits_every_head_and_eager_costs_are_cached(one_thread):
+    model = random_bpd("llama", 6)
+    prompts = [{"input_ids": prompt_ids(s, 5)} for s in range(2)]
+    cal, records = calibrate(model, prompts, max_new_tokens=12, eos_token_id=None)
+    assert len(cal.accept) == 3 and records and {h for h, _, _ in records} <= {0, 1, 2}
+    assert "| 1 |" in reliability_table(cal, records)
+    costs = eager_costs(model.base_lm, 4, past=8, repeats=1)
+    assert sorted(costs) == [1, 2, 3, 4] and min(costs.values()) > 0
+    assert eager_costs(model.base_lm, 4) is costs  # measured once per process
+
+
+# ------------------------------------------------------------------ prompt-lookup path inside the lattice
+def test_prompt_lookup_finds_the_latest_recurring_ngram():
+    from hf_bpd.generation.lookup import prompt_lookup
+
+    assert prompt_lookup([1, 2, 3, 4, 5, 9, 2, 3], 3) == (4, 5, 9)  # bigram (2, 3)
+    assert prompt_lookup([1, 2, 3, 4, 5, 9, 7, 3], 3) == (4, 5, 9)  # only the unigram (3) recurs
+    assert prompt_lookup([1, 2, 3, 4, 1, 2, 3, 8, 1, 2, 3], 2) == (8, 1)  # the latest trigram wins
+    assert prompt_lookup([7, 1, 2, 3], 2, max_ngram=3) == ()  # nothing recurs
+    assert prompt_lookup([5], 2) == () and prompt_lookup([1, 2, 1], 0) == ()
+
+
+@pytest.mark.parametrize("options", [{}, {"num_drafts": 2, "draft_top_k": 2}, {"tree": (2, 2, 1)},
+                                     {"draft_schedule": "cost"}])
+def test_prompt_lookup_drafts_are_verified_and_decode_exactly(one_thread, options):
+    model = random_bpd("llama", 7)
+    # a prompt that repeats itself, so the base's greedy continuation tends to copy it
+    generator = torch.Generator().manual_seed(11)
+    phrase = torch.randint(3, 60, (1, 6), generator=generator)
+    ids = torch.cat([phrase] * 4, dim=1)
+    kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
+    expected = model.base_lm.generate(ids, **kwargs)
+    got = model.generate(ids, prompt_lookup=True, **options, **kwargs)
+    assert torch.equal(got, expected), options
+    with_lookup = model.last_generation_stats
+    assert with_lookup.method.endswith("+lookup")
+    model.generate(ids, prompt_lookup=False, **options, **kwargs)
+    without = model.last_generation_stats
+    if "draft_schedule" not in options:  # (the cost schedule may cut either)
+        assert max(with_lookup.draft_tokens) > max(without.draft_tokens)  # the copied path was verified too
+    with pytest.raises(BPDConfigError, match="prompt_lookup"):
+        model.generate(ids, prompt_lookup="yes", **kwargs)
