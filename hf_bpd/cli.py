@@ -115,8 +115,8 @@ def cmd_generate(args) -> int:
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
     prompt_length = inputs["input_ids"].shape[1]
     # the comparison's plain BPD row: the heads' argmax chain, same heads and compilation as this run
-    plain_bpd = dict(rescorer=None, num_drafts=1, tree=None, compile=compiled,
-                     **{k: v for k, v in options.items() if k == "num_heads_to_use"})
+    plain_bpd = dict(rescorer=None, num_drafts=1, tree=None, prompt_lookup=False, draft_schedule="fixed",
+                     compile=compiled, **{k: v for k, v in options.items() if k == "num_heads_to_use"})
     if args.compare or compiled:  # warm-up (allocations, rescorer loading, compilation) is not timed
         start = time.perf_counter()
         model.generate(**inputs, **{**kwargs, "max_new_tokens": 8}, **options)
@@ -222,12 +222,12 @@ def cmd_bench(args) -> int:
     from .evaluation import bench
 
     _positive(args, "limit", "max_new_tokens", "threads", "num_drafts", "draft_top_k", "pld_tokens",
-               "early_exit_layer")
+               "early_exit_layer", "num_heads_to_use")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     options = bench.BenchOptions(tree_widths=tuple(_int_list(args.tree, "--tree")), num_drafts=args.num_drafts,
                                  draft_top_k=args.draft_top_k, pld_tokens=args.pld_tokens,
-                                 early_exit_layer=args.early_exit_layer)
+                                 early_exit_layer=args.early_exit_layer, num_heads_to_use=args.num_heads_to_use)
     decoders = bench.default_decoders(options)
     methods = bench.parse_methods(args.methods or ",".join(bench.DEFAULT_METHODS), list(decoders))
     questions = _questions(args)
@@ -244,6 +244,7 @@ def cmd_bench(args) -> int:
                      "multi_turn": args.multi_turn, "warmup": args.warmup, "seed": args.seed, "dtype": args.dtype,
                      "tree": list(options.tree_widths), "num_drafts": options.num_drafts,
                      "draft_top_k": options.draft_top_k, "pld_tokens": options.pld_tokens,
+                     "num_heads_to_use": options.num_heads_to_use,
                      "early_exit_layer": options.early_exit_layer},
         "machine": bench.machine_info(),
         **report,
@@ -379,6 +380,9 @@ def cmd_calibrate(args) -> int:
     options = {} if args.rescorer is None else {"rescorer": args.rescorer}
     calibration, records = calibrate(model, prompts, args.max_new_tokens, args.bins, **options)
     print(reliability_table(calibration, records), end="")
+    if calibration.lookup:
+        print("prompt lookup's acceptance rate per copied token: " +
+              ", ".join(f"{r:.2f}" for r in calibration.lookup))
     print(f"{len(records)} tried draft tokens from {len(prompts)} prompts")
     if args.output:
         Path(args.output).write_text(json.dumps({"calibration": calibration.to_dict(), "records": records}))
@@ -497,6 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tree", default="4,2,2,1", metavar="WIDTHS",
                        help="sparse tree widths per head for tree / tree+ngram (cut to the model's heads)")
     bench.add_argument("--num-drafts", type=int, default=4, help="p for the p-best methods")
+    bench.add_argument("--num-heads-to-use", type=int, default=None,
+                       help="chain methods (bpd...) draft with the first N heads (default: the checkpoint's)")
     bench.add_argument("--draft-top-k", type=int, default=None,
                        help="lattice width k for rescoring and p-best (default: the checkpoint's, else 16)")
     bench.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld")

@@ -122,7 +122,52 @@ def test_prompt_lookup_drafts_are_verified_and_decode_exactly(one_thread, option
     assert with_lookup.method.endswith("+lookup")
     model.generate(ids, prompt_lookup=False, **options, **kwargs)
     without = model.last_generation_stats
-    if "draft_schedule" not in options:  # (the cost schedule may cut either)
-        assert max(with_lookup.draft_tokens) > max(without.draft_tokens)  # the copied path was verified too
+    if "draft_schedule" not in options:  # eagerly, the copy is one more path (the cost schedule may cut either)
+        assert max(with_lookup.draft_tokens) > max(without.draft_tokens)
     with pytest.raises(BPDConfigError, match="prompt_lookup"):
         model.generate(ids, prompt_lookup="yes", **kwargs)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_compiled_chain_shares_its_slots_with_the_copy(one_thread, compile):
+    """The drafter's rule, eager model: with `share_slots` (set by compiled decoding) the copy takes the chain's
+    slots when it is likelier to be accepted, and the block does not grow."""
+    from hf_bpd.generation.drafting import BlockDrafter
+
+    model = random_bpd("llama", 7)
+    drafter = BlockDrafter(model.heads, 3, prompt_lookup=True)
+    drafter.calibration = HeadCalibration([1.0], [[0.1]] * 3, lookup=[0.9])  # unreliable heads, reliable copy
+    drafter.share_slots = compile
+    hidden = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    context = [5, 6, 7, 8, 9, 5, 6]
+    drafts, _ = drafter.drafts(hidden, context, 10)
+    if compile:
+        assert drafts == [(7, 8, 9)] and drafter.max_block_length() == 4  # the copy took every slot
+    else:
+        assert drafts[-1] == (7, 8, 9) and len(drafts) == 2 and drafter.max_block_length() == 7
+
+
+
+
+def test_best_first_nodes_share_the_chain_slots_by_acceptance_chance():
+    from hf_bpd.generation.budget import best_first_nodes
+
+    heads, copy = (1, 2, 3), (5, 6, 7)
+    assert best_first_nodes([(heads, [0.9, 0.8, 0.7]), (copy, [0.5, 0.7, 0.7])], 3) == [heads]
+    assert best_first_nodes([(heads, [0.3, 0.8, 0.7]), (copy, [0.5, 0.7, 0.7])], 3) == [(1,), (5, 6)]
+    assert best_first_nodes([(heads, [0.6, 0.8, 0.7]), (copy, [0.5, 0.7, 0.7])], 3) == [(1, 2), (5,)]
+    # a shared first token is one node: both continuations fit
+    assert best_first_nodes([(heads, [0.6, 0.8, 0.7]), ((1, 6, 7), [0.5, 0.7, 0.7])], 3) == [(1, 2), (1, 6)]
+    assert best_first_nodes([(heads, [1.0, 1.0, 1.0]), (copy, [1.0, 1.0, 1.0])], 4) == [heads, (5,)]
+
+
+def test_lookup_records_read_acceptance_off_the_greedy_output():
+    from hf_bpd.evaluation.calibration import lookup_records
+
+    # prompt [7, 1, 2, 3, 9], output 1 2 3 4: at each step the copy of "after the last token" is compared with
+    # what followed
+    sequence = [7, 1, 2, 3, 9, 1, 2, 3, 4]
+    stats = GenerationStats(accepted_lengths=[0, 1, 0, 0], draft_tokens=[0, 2, 2, 2])
+    # step 1 context ...9 1 -> copy (2, 3) vs truth (2, 3): 2 hits; step 2 context ...1 2 3 -> copy (9, 1) vs (4,):
+    # miss; step 3 context ends at 4: nothing recurs, no record
+    assert lookup_records(sequence, 5, stats, 2) == [(0, True), (1, True), (0, False)]

@@ -76,6 +76,7 @@ class BenchOptions:
     draft_top_k: int | None = None
     pld_tokens: int = 10
     early_exit_layer: int | None = None  # default: half the base's layers
+    num_heads_to_use: int | None = None  # chain methods draft with the first heads only (None: the checkpoint's)
 
 
 # ------------------------------------------------------------------ prompts
@@ -228,11 +229,12 @@ def decode_early_exit(model, inputs: dict, max_new_tokens: int, layer: int | Non
 
 def decode_bpd(model, inputs: dict, max_new_tokens: int, tree_widths: Sequence[int] | None = None,
                tree_leaves_as_drafts: bool = False, **options):
-    """`model.generate()` with drafting heads; `tree_widths` are cut to the model's heads."""
+    """`model.generate()` with drafting heads; `tree_widths` are cut to the heads in use."""
     if not hasattr(model, "heads"):
         raise MethodSkipped("the model has no drafting heads (a plain base model): pass a heads checkpoint")
     if tree_widths is not None:
-        widths = tuple(tree_widths)[: model.config.num_heads]
+        in_use = options.get("num_heads_to_use") or model.generation_config.num_heads_to_use or model.config.num_heads
+        widths = tuple(tree_widths)[:in_use]
         if tree_leaves_as_drafts:
             options["num_drafts"] = math.prod(widths)
         else:
@@ -250,6 +252,8 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
     # Explicit options: a checkpoint's own defaults (generation_config.rescorer, num_drafts, tree) must not change
     # what a method name means. rescorer=None: the heads' own scores.
     chain = dict(num_drafts=1, tree=None)
+    if o.num_heads_to_use is not None:
+        chain["num_heads_to_use"] = o.num_heads_to_use
     decoders = {
         "ar": decode_ar,
         "pld": p(decode_assisted, method="pld", prompt_lookup_num_tokens=o.pld_tokens),
@@ -270,12 +274,16 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
                                          prompt_lookup=lookup, **chain, **({} if name is None else k))
     # The checkpoint's own generate() defaults (its generation_config.json), whatever they are.
     decoders["default"] = decode_bpd
+    # p-best and trees: eager, heads only (a checkpoint's compile / prompt_lookup / schedule defaults do not apply)
+    plain = dict(compile=False, prompt_lookup=False, draft_schedule="fixed")
+    if o.num_heads_to_use is not None:
+        plain["num_heads_to_use"] = o.num_heads_to_use
     decoders.update({
-        "pbest": p(decode_bpd, rescorer=None, num_drafts=o.num_drafts, tree=None, **k),
-        "pbest-ngram": p(decode_bpd, rescorer="ngram", num_drafts=o.num_drafts, tree=None, **k),
-        "tree": p(decode_bpd, rescorer=None, tree_widths=o.tree_widths),
+        "pbest": p(decode_bpd, rescorer=None, num_drafts=o.num_drafts, tree=None, **plain, **k),
+        "pbest-ngram": p(decode_bpd, rescorer="ngram", num_drafts=o.num_drafts, tree=None, **plain, **k),
+        "tree": p(decode_bpd, rescorer=None, tree_widths=o.tree_widths, **plain),
         "tree+ngram": p(decode_bpd, rescorer="ngram", tree_widths=o.tree_widths, tree_leaves_as_drafts=True,
-                        tree=None, **k),
+                        tree=None, **plain, **k),
     })
     return decoders
 

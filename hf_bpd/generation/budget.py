@@ -16,16 +16,16 @@ else a short measurement on first use (a few forwards per length, once per proce
 from __future__ import annotations
 
 import bisect
-import statistics
-import time
 import weakref
 
 import torch
-from transformers.cache_utils import DynamicCache
 
 from ..errors import BPDConfigError
 
 SCHEDULES = ("fixed", "cost")
+# Prompt lookup's per-token acceptance rates when the checkpoint has no measured ones (`hf-bpd calibrate` measures
+# them); only their order against the heads' rates matters for `best_first_nodes`.
+DEFAULT_LOOKUP_RATES = [0.5, 0.7]
 _EAGER_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> {block length: ms}
 
 
@@ -36,21 +36,37 @@ class HeadCalibration:
     head `i`'s acceptance rate in bin `b`. Saved in the checkpoint's config as `head_calibration`.
     """
 
-    def __init__(self, edges: list[float], accept: list[list[float]], counts: list[list[int]] | None = None):
+    def __init__(self, edges: list[float], accept: list[list[float]], counts: list[list[int]] | None = None,
+                 lookup: list[float] | None = None):
         if not edges or any(len(row) != len(edges) for row in accept):
             raise BPDConfigError("head_calibration needs one acceptance rate per bin edge for every head")
+        if lookup is not None and (not isinstance(lookup, list) or not all(0 <= r <= 1 for r in lookup)):
+            raise BPDConfigError("head_calibration's lookup rates must be a list of numbers in [0, 1]")
         self.edges, self.accept, self.counts = list(edges), [list(r) for r in accept], counts
+        self.lookup = lookup  # acceptance rate of prompt lookup's token j (given the ones before it were accepted)
+
+    @classmethod
+    def default(cls) -> HeadCalibration:
+        """No measured rates: raw head probabilities, `DEFAULT_LOOKUP_RATES` for prompt lookup."""
+        return cls([1.0], [], None, None)
+
+    def lookup_rates(self, n: int) -> list[float]:
+        """Prompt lookup's per-token acceptance rates for an `n`-token copy (the last measured one repeats)."""
+        rates = self.lookup or DEFAULT_LOOKUP_RATES
+        return [rates[min(j, len(rates) - 1)] for j in range(n)]
 
     def bin(self, prob: float) -> int:
         return min(bisect.bisect_left(self.edges, prob), len(self.edges) - 1)
 
-    def rate(self, head: int, prob: float) -> float:
+    def rate(self, head: int, prob: float) -> float:  # noqa: D102 - raw `prob` for heads without a row
         return prob if head >= len(self.accept) else self.accept[head][self.bin(prob)]
 
     def to_dict(self) -> dict:
         out = {"edges": self.edges, "accept": self.accept}
         if self.counts is not None:
             out["counts"] = self.counts
+        if self.lookup is not None:
+            out["lookup"] = self.lookup
         return out
 
     @classmethod
@@ -61,11 +77,11 @@ class HeadCalibration:
                 not isinstance(values.get("accept"), list):
             raise BPDConfigError("head_calibration must be {'edges': [...], 'accept': [[...] per head]}: rerun "
                                  "hf-bpd calibrate, or drop it")
-        return cls(values["edges"], values["accept"], values.get("counts"))
+        return cls(values["edges"], values["accept"], values.get("counts"), values.get("lookup"))
 
     @classmethod
     def fit(cls, records: list[tuple[int, float, bool]], num_heads: int, bins: int = 10,
-            prior: float = 2.0) -> HeadCalibration:
+            prior: float = 2.0, lookup_records: list[tuple[int, bool]] | None = None) -> HeadCalibration:
         """From `(head, probability, accepted)` records: equal-width bins, each rate shrunk towards the bin's
         mean probability by `prior` pseudo-observations (so a sparse bin stays near the raw probability)."""
         edges = [(b + 1) / bins for b in range(bins)]
@@ -84,7 +100,15 @@ class HeadCalibration:
                 centre = probs[h][b] / totals[h][b] if totals[h][b] else edges[b] - 0.5 / bins
                 row.append(round((hits[h][b] + prior * centre) / (totals[h][b] + prior), 4))
             accept.append(row)
-        return cls(edges, accept, totals)
+        lookup = None
+        if lookup_records:
+            length = max(j for j, _ in lookup_records) + 1
+            tries, hits = [0] * length, [0] * length
+            for j, ok in lookup_records:
+                tries[j] += 1
+                hits[j] += bool(ok)
+            lookup = [round((hits[j] + prior * 0.5) / (tries[j] + prior), 4) for j in range(length)]
+        return cls(edges, accept, totals, lookup)
 
 
 class DraftBudget:
@@ -129,42 +153,46 @@ class DraftBudget:
         return best_k
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
-
-
 @torch.no_grad()
 def eager_costs(base, max_length: int, past: int = 128, repeats: int = 3) -> dict[int, float]:
     """`{n: ms}` of eager base forwards of n = 1..max_length tokens: the stored `hf-bpd profile` table when it covers
     them, else measured now (once per process and base)."""
-    from ..evaluation.cost import load_costs
+    from ..evaluation.cost import load_costs, measure_costs
 
     known = _EAGER_COSTS.get(base, {})
     if all(n in known for n in range(1, max_length + 1)):
         return known
+    lengths = list(range(1, max_length + 1))
     stored = load_costs(base)
-    if stored is not None and all(n in stored["lengths"] for n in range(1, max_length + 1)):
-        known = dict(zip(stored["lengths"], stored["eager_ms"]))
-    else:
-        device = base.device
-        vocab = base.config.get_text_config().vocab_size
-        cache = DynamicCache(config=base.config.get_text_config(decoder=True))
-        base(input_ids=torch.randint(0, vocab, (1, past), device=device), past_key_values=cache, use_cache=True,
-             logits_to_keep=1)
-        known = {}
-        for n in range(1, max_length + 1):
-            block = torch.randint(0, vocab, (1, n), device=device)
-
-            def step():
-                base(input_ids=block, past_key_values=cache, use_cache=True)
-                cache.crop(-n)
-
-            known[n] = _median_ms(step, repeats)
+    if stored is None or not all(n in stored["lengths"] for n in lengths):
+        stored = measure_costs(base, lengths, compiled=False, past=past, repeats=repeats)
+    known = dict(zip(stored["lengths"], stored["eager_ms"]))
     _EAGER_COSTS[base] = known
     return known
+
+
+def best_first_nodes(paths: list[tuple[tuple[int, ...], list[float]]], budget: int) -> list[tuple[int, ...]]:
+    """At most `budget` draft nodes from several candidate chains, the likeliest to be accepted first.
+
+    `paths` holds `(tokens, rates)`: a chain and each token's acceptance rate given the ones before it. A node (a
+    prefix of a chain; chains sharing a prefix share its nodes) is worth the chance its whole prefix is accepted,
+    the product of its rates (the best over the chains that hold it). The chance falls along every chain, so the
+    `budget` most likely nodes form prefixes: they are returned as one draft per chain (its chosen prefix), ties
+    going to the earlier chain. This is how prompt lookup's copy competes with the heads' chain for the same
+    verification slots.
+    """
+    value: dict[tuple[int, ...], float] = {}
+    order: dict[tuple[int, ...], int] = {}
+    for rank, (tokens, rates) in enumerate(paths):
+        chance = 1.0
+        for j in range(len(tokens)):
+            chance *= rates[j]
+            node = tuple(tokens[: j + 1])
+            if chance > value.get(node, -1.0):
+                value[node] = chance
+            order.setdefault(node, rank)
+    chosen = sorted(value, key=lambda node: (-value[node], order[node], len(node)))[: max(budget, 0)]
+    keep = set(chosen)
+    # every chosen node's prefixes are chosen too (their chance is at least as large; ties resolved by length)
+    leaves = [node for node in chosen if not any(other[: len(node)] == node and other != node for other in keep)]
+    return sorted(leaves, key=lambda node: order[node])

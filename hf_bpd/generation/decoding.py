@@ -87,8 +87,9 @@ def plan_drafting(model, options: DraftingOptions) -> DecodingPlan:
     method = "tree" if choices is not None else ("p-best" if num_drafts > 1 else "chain")
     method += "+lookup" if options.prompt_lookup else ""
     drafter = BlockDrafter(model.heads, n, top_k, num_drafts, rescorer, choices, options.prompt_lookup)
+    drafter.calibration = HeadCalibration.from_dict(getattr(config, "head_calibration", None))
     return DecodingPlan(drafter=drafter, stats=GenerationStats(method=method), schedule=options.draft_schedule,
-                        calibration=HeadCalibration.from_dict(getattr(config, "head_calibration", None)))
+                        calibration=drafter.calibration)
 
 
 def plan_plain() -> DecodingPlan:
@@ -148,6 +149,7 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
             if runner is not None:
                 # One compiled shape per drafting plan (its largest block); "cost" also compiles the one-token step.
                 # The heads' lattice comes from a compiled heads step too.
+                plan.drafter.share_slots = isinstance(plan.drafter, BlockDrafter)
                 largest = plan.drafter.max_block_length()
                 buckets = sorted({1, largest} if plan.schedule == "cost" else {largest})
                 heads = model.heads if isinstance(plan.drafter, BlockDrafter) else None
@@ -164,6 +166,8 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
                           "decoding eagerly", stacklevel=3)
             _RUNNERS.pop(model.base_lm, None)
             verifier, runner = None, None
+            plan.drafter.share_slots = False
+            plan.drafter.head_top = None
     if verifier is None:
         verifier = EagerVerifier(model, model_kwargs.get("past_key_values"), model_kwargs.get("attention_mask"))
     budget = None

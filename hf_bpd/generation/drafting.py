@@ -6,6 +6,7 @@ import torch
 
 from ..lattice import Lattice
 from ..rescorers.base import HeadScoreRescorer, Rescorer
+from .budget import HeadCalibration, best_first_nodes
 from .lookup import prompt_lookup
 
 
@@ -20,7 +21,10 @@ class BlockDrafter:
         rescorer: picks drafts from the lattice; `HeadScoreRescorer` (head scores only) by default.
         tree_choices: Medusa-style rank paths; when given, the drafts are those paths instead.
         prompt_lookup: also draft the context's own continuation of its last n-gram (`hf_bpd.generation.lookup`),
-            as many tokens as the heads draft, verified with the heads' drafts in the same pass.
+            as many tokens as the heads draft, verified with the heads' drafts in the same pass: one more path;
+            for a chain under compiled verification (`share_slots`) it competes for the chain's slots instead
+            (`best_first_nodes`: the nodes likeliest to be accepted, from the calibrated head confidences and prompt
+            lookup's measured acceptance rates), so the compiled block length does not grow.
     """
 
     def __init__(self, heads, num_heads: int, top_k: int = 1, num_drafts: int = 1, rescorer: Rescorer | None = None,
@@ -33,12 +37,17 @@ class BlockDrafter:
         self.tree_choices = tree_choices
         self.prompt_lookup = prompt_lookup
         self.head_top = None  # hidden -> (top-k log-probs, indices) of every head; set when decoding compiles
+        self.calibration: HeadCalibration | None = None  # measured acceptance rates (`hf-bpd calibrate`)
+        # A compiled chain keeps its block length (block lengths up to 4 cost about one token there, longer ones
+        # much more): prompt lookup's copy then shares the chain's slots instead of adding a path.
+        self.share_slots = False
         if tree_choices:
             self.top_k = max(top_k, 1 + max(r for c in tree_choices for r in c))
 
     def max_block_length(self) -> int:
         """The most tokens one verification pass can hold: the last token plus every draft node."""
-        lookup = self.num_heads if self.prompt_lookup else 0
+        shared = self.share_slots and self.tree_choices is None and self.num_drafts == 1
+        lookup = self.num_heads if self.prompt_lookup and not shared else 0
         if self.tree_choices is not None:
             return 1 + len(self.tree_choices) + lookup
         return 1 + self.num_heads * self.num_drafts + lookup
@@ -58,7 +67,14 @@ class BlockDrafter:
         if self.prompt_lookup and drafts:
             copied = prompt_lookup(context, max(len(d) for d in drafts))
             if copied and not any(d[: len(copied)] == copied for d in drafts):
-                drafts.append(copied)
+                if self.share_slots and self.tree_choices is None and self.num_drafts == 1:
+                    # a compiled chain: the copy competes with the heads' chain for its verification slots
+                    cal = self.calibration
+                    head_rates = [cal.rate(i, p) for i, p in enumerate(probs)] if cal else list(probs)
+                    copy_rates = (cal or HeadCalibration.default()).lookup_rates(len(copied))
+                    drafts = best_first_nodes([(drafts[0], head_rates), (copied, copy_rates)], len(drafts[0]))
+                else:  # eagerly, or p-best / tree: one more path
+                    drafts.append(copied)
         return drafts, probs
 
     @torch.no_grad()

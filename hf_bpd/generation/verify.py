@@ -167,8 +167,16 @@ class CompiledRunner:
         # (measured: 43 ms vs 21 ms per one-token SmolLM2 step), and setting them globally would change the
         # user's own compiles.
         self.compiled = torch.compile(self.step, dynamic=False)
+        # The static cache allocates its tensors lazily, in its first update: do that now, eagerly, or the first
+        # compiled call traces the allocation (guard `is_initialized == False`) and the next one compiles again
+        # (measured: every first block length compiled twice, ~1 min each for SmolLM2).
+        with torch.no_grad():
+            device = base.device
+            one = torch.zeros(1, 1, dtype=torch.long, device=device)
+            self.step(one, one, one[0], torch.zeros(1, 1, 1, max_cache_len, dtype=base.dtype, device=device))
         self.heads_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # heads -> {top_k: compiled}
         self.lock = threading.RLock()  # warm_up may run inside a caller that holds it
+        self.reset()
         self.compiled_buckets: dict[int, float] = {}  # block length -> seconds its first call took (compilation)
         self.bucket_ms: dict[int, float] = {}  # block length -> median ms of the step (timed after compiling)
         self.compiled_heads: dict[tuple[int, int], float] = {}  # (id(heads), top_k) -> seconds compiling took

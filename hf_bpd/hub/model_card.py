@@ -30,7 +30,8 @@ def render_model_card(model, repo: str | None = None, extra: str = "") -> str:
         fingerprint=config.base_model_fingerprint,
         draft_vocab=vocab,
         head_loss_weights=", ".join(f"{w:g}" for w in config.head_loss_weights),
-        default_decoding=", ".join(f"{name}={getattr(generation, name, None)!r}" for name in DRAFTING_OPTIONS),
+        default_decoding=", ".join(f"{name}={getattr(generation, name, None)!r}"
+                                   for name in (*DRAFTING_OPTIONS, "compile")),
         rescorers=", ".join(f"`{name}`" for name in available_rescorers()),
         bundled=", ".join(f"`{name}` ({spec['path']}, α={spec.get('alpha')})" for name, spec in
                           sorted(config.rescorers.items())) or "none",
