@@ -111,6 +111,11 @@ class HeadCalibration:
         return cls(edges, accept, totals, lookup)
 
 
+def acceptance_rates(calibration: HeadCalibration | None, probs: list[float]) -> list[float]:
+    """The calibrated acceptance rate of each drafted token from its head probability (raw without calibration)."""
+    return list(probs) if calibration is None else [calibration.rate(i, p) for i, p in enumerate(probs)]
+
+
 class DraftBudget:
     """Chooses how many drafted tokens to verify at each step (see the module docstring).
 
@@ -125,18 +130,13 @@ class DraftBudget:
         self.costs = dict(sorted(costs.items()))
         self.calibration = calibration
 
-    def acceptance(self, probs: list[float]) -> list[float]:
-        if self.calibration is None:
-            return list(probs)
-        return [self.calibration.rate(i, p) for i, p in enumerate(probs)]
-
     def choose(self, probs: list[float], overhead_ms: float = 0.0, block_cost=None) -> int:
         """How many of the drafted tokens (with head probabilities `probs`, in order) to verify.
 
         `block_cost(k)` gives the block length verifying `k` drafted tokens needs (default `k + 1`); lengths are
         charged at the cheapest measured length that holds them.
         """
-        rates = self.acceptance(probs)
+        rates = acceptance_rates(self.calibration, probs)
         best_k, best_value, expected, chain = 0, -1.0, 1.0, 1.0
         lengths = list(self.costs)
         for k in range(len(rates) + 1):

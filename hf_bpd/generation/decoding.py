@@ -49,7 +49,6 @@ class DecodingPlan:
     streamer: BaseStreamer | None = None
     compile: bool = False  # verify with the compiled step on a static cache (`hf_bpd.generation.verify`)
     schedule: str = "fixed"  # "cost": verify only the drafted tokens that pay (`hf_bpd.generation.budget`)
-    calibration: HeadCalibration | None = None
 
 
 def _int_option(name: str, value, low: int, high: int) -> int:
@@ -88,8 +87,7 @@ def plan_drafting(model, options: DraftingOptions) -> DecodingPlan:
     method += "+lookup" if options.prompt_lookup else ""
     drafter = BlockDrafter(model.heads, n, top_k, num_drafts, rescorer, choices, options.prompt_lookup)
     drafter.calibration = HeadCalibration.from_dict(getattr(config, "head_calibration", None))
-    return DecodingPlan(drafter=drafter, stats=GenerationStats(method=method), schedule=options.draft_schedule,
-                        calibration=drafter.calibration)
+    return DecodingPlan(drafter=drafter, stats=GenerationStats(method=method), schedule=options.draft_schedule)
 
 
 def plan_plain() -> DecodingPlan:
@@ -174,7 +172,7 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
     if plan.schedule == "cost" and plan.drafter.max_block_length() > 1:
         costs = {b: runner.bucket_ms[b] for b in verifier.buckets} if runner is not None else \
             eager_costs(model.base_lm, plan.drafter.max_block_length())
-        budget = DraftBudget(costs, plan.calibration)
+        budget = DraftBudget(costs, plan.drafter.calibration)
     with runner.lock if runner is not None else contextlib.nullcontext():
         return _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan, budget)
 

@@ -6,7 +6,7 @@ import torch
 
 from ..lattice import Lattice
 from ..rescorers.base import HeadScoreRescorer, Rescorer
-from .budget import HeadCalibration, best_first_nodes
+from .budget import HeadCalibration, acceptance_rates, best_first_nodes
 from .lookup import prompt_lookup
 
 
@@ -69,9 +69,8 @@ class BlockDrafter:
             if copied and not any(d[: len(copied)] == copied for d in drafts):
                 if self.share_slots and self.tree_choices is None and self.num_drafts == 1:
                     # a compiled chain: the copy competes with the heads' chain for its verification slots
-                    cal = self.calibration
-                    head_rates = [cal.rate(i, p) for i, p in enumerate(probs)] if cal else list(probs)
-                    copy_rates = (cal or HeadCalibration.default()).lookup_rates(len(copied))
+                    head_rates = acceptance_rates(self.calibration, probs)
+                    copy_rates = (self.calibration or HeadCalibration.default()).lookup_rates(len(copied))
                     drafts = best_first_nodes([(drafts[0], head_rates), (copied, copy_rates)], len(drafts[0]))
                 else:  # eagerly, or p-best / tree: one more path
                     drafts.append(copied)
