@@ -6,7 +6,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from .errors import BPDConfigError
 
-HEAD_TYPES = ("ffn", "resblock")
+HEAD_TYPES = ("ffn", "resblock", "hydra")
 
 
 class BlockwiseParallelConfig(PretrainedConfig):
@@ -21,7 +21,9 @@ class BlockwiseParallelConfig(PretrainedConfig):
         num_heads (`int`): number of drafting heads (>= 1).
         head_type (`str`): `"ffn"` (Stern et al. 2018: one hidden layer FFN with a residual connection) or
             `"resblock"` (Medusa: residual `x + SiLU(W x)` blocks). Both are zero-initialised on their output side,
-            so a fresh head predicts exactly what the base's next-token head predicts.
+            so a fresh head predicts exactly what the base's next-token head predicts. `"hydra"`: sequentially
+            dependent FFN heads (Ankner et al. 2024): head `i` also reads the previous head's state and the input
+            embedding of the token before its own (the base's next token for head 1, head `i - 1`'s draft after that).
         num_layers_per_head (`int`): blocks stacked in each head.
         head_intermediate_size (`int`, *optional*): hidden width of an `"ffn"` head (default: the base's hidden size).
         tie_head_projection (`bool`): heads share the base's output embedding (`True`) or own a projection
@@ -87,9 +89,14 @@ class BlockwiseParallelConfig(PretrainedConfig):
                                      "ids: pass one of them")
             draft_vocab_size = len(self.draft_vocab)
         self.draft_vocab_size = draft_vocab_size
-        self.head_loss_weights = (
-            [1.0] * num_heads if head_loss_weights is None else [float(w) for w in head_loss_weights]
-        )
+        try:
+            self.head_loss_weights = (
+                [1.0] * (num_heads if isinstance(num_heads, int) else 0) if head_loss_weights is None
+                else [float(w) for w in head_loss_weights]
+            )
+        except (TypeError, ValueError):
+            raise BPDConfigError(f"head_loss_weights must be a list of numbers (one per head), got "
+                                 f"{head_loss_weights!r}") from None
         self.base_model_name_or_path = base_model_name_or_path
         self.base_model_fingerprint = base_model_fingerprint
         # Decoding settings that old checkpoints kept here; from_pretrained moves them to the generation config.
@@ -130,13 +137,15 @@ class BlockwiseParallelConfig(PretrainedConfig):
 
     def validate_heads(self) -> None:
         """Raise `BPDConfigError` (one line, naming the fix) when the head settings are inconsistent."""
-        if not isinstance(self.num_heads, int) or self.num_heads < 1:
+        if isinstance(self.num_heads, bool) or not isinstance(self.num_heads, int) or self.num_heads < 1:
             raise BPDConfigError(f"num_heads must be an integer >= 1, got {self.num_heads!r}")
         if self.head_type not in HEAD_TYPES:
             raise BPDConfigError(f"unknown head_type {self.head_type!r}: use one of {', '.join(HEAD_TYPES)}")
         if not isinstance(self.num_layers_per_head, int) or self.num_layers_per_head < 1:
             raise BPDConfigError(f"num_layers_per_head must be an integer >= 1, got {self.num_layers_per_head!r}")
-        if self.head_intermediate_size is not None and self.head_intermediate_size < 1:
+        if self.head_intermediate_size is not None and (isinstance(self.head_intermediate_size, bool) or not
+                                                        isinstance(self.head_intermediate_size, int) or
+                                                        self.head_intermediate_size < 1):
             raise BPDConfigError(f"head_intermediate_size must be >= 1, got {self.head_intermediate_size}")
         if len(self.head_loss_weights) != self.num_heads or any(w < 0 for w in self.head_loss_weights):
             raise BPDConfigError(
@@ -165,9 +174,13 @@ class BlockwiseParallelConfig(PretrainedConfig):
             HeadCalibration.from_dict(self.head_calibration)  # raises a one-line error when malformed
         from .rescorers.base import available_rescorers
 
+        if not isinstance(self.rescorers, dict):
+            raise BPDConfigError(f"rescorers must map rescorer names to {{'path': ..., 'alpha': ...}}, got "
+                                 f"{type(self.rescorers).__name__}")
         for name, spec in self.rescorers.items():
             if name not in available_rescorers() or not isinstance(spec, dict) or "path" not in spec:
                 raise BPDConfigError(f"bad bundled rescorer {name!r}: rescorers maps a registered rescorer name "
                                      f"({', '.join(available_rescorers())}) to {{'path': ..., 'alpha': ...}}")
-            if float(spec.get("alpha", 1.0)) < 0:
-                raise BPDConfigError(f"the {name} rescorer's alpha must be >= 0, got {spec['alpha']}")
+            alpha = spec.get("alpha", 1.0)
+            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha >= 0:
+                raise BPDConfigError(f"the {name} rescorer's alpha must be a number >= 0, got {alpha!r}")

@@ -1,4 +1,6 @@
-"""Errors that hf_bpd raises for bad input. Each message is one line and says what to do."""
+"""Errors that hf_bpd raises for bad input. Each message is one line: what is wrong (the argument or file, the
+allowed range or what was looked for where) and what to do. This module imports nothing, so the command line can
+use it before any heavy import."""
 
 
 class BPDError(ValueError):
@@ -6,7 +8,16 @@ class BPDError(ValueError):
 
 
 class BPDConfigError(BPDError):
-    """Inconsistent head or decoding settings."""
+    """Inconsistent head or decoding settings, or a drafting option out of its range."""
+
+
+class BPDTypeError(BPDConfigError, TypeError):
+    """An argument of the wrong type (a string where an integer is needed, float token ids, ...)."""
+
+
+class InputError(BPDError):
+    """Bad `generate()` inputs: empty or malformed prompts, token ids outside the vocabulary, a requested length
+    beyond the base model's positions."""
 
 
 class BaseModelError(BPDError):
@@ -15,3 +26,7 @@ class BaseModelError(BPDError):
 
 class CheckpointError(BPDError):
     """A heads checkpoint is missing, corrupt, or disagrees with its config."""
+
+
+class WorkLimitError(BPDConfigError):
+    """An option would make one decoding step cost more than its documented ceiling (README "Errors and limits")."""

@@ -10,18 +10,19 @@ import contextlib
 import copy
 import functools
 import os
+import threading
 import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.generation import GenerateDecoderOnlyOutput
 
 from .configuration import BlockwiseParallelConfig
 from .errors import BaseModelError, BPDConfigError, CheckpointError
 from .generation.config import BlockwiseGenerationConfig, drafting_options, load_generation_config
-from .generation.decoding import blockwise_decoding, plan_drafting, plan_plain
+from .generation.decoding import blockwise_decoding, check_inputs, plan_drafting, plan_plain
 from .generation.stats import BlockwiseGenerateOutput, GenerationStats
 from .generation.stopping import stop_strings_as_criteria
 from .heads import BlockwiseParallelOutput, DraftHeads
@@ -29,6 +30,18 @@ from .hub.base_models import check_causal_lm, check_fingerprint, fingerprint, lo
 from .hub.checkpoints import (HEADS_WEIGHTS_NAME, copy_bundled, load_heads_state, push_saved,
                               resolve_checkpoint_dir)
 from .rescorers.base import rescorer_class
+
+
+def _inside(directory: Path, relative, field: str) -> Path:
+    """`directory / relative`, refusing paths that leave the checkpoint (absolute, `..`): config.json names files
+    inside its own directory only."""
+    if not isinstance(relative, str) or not relative:
+        raise CheckpointError(f"{directory / 'config.json'}: {field} must be a file name inside the checkpoint, got "
+                              f"{relative!r}: restore config.json")
+    if Path(relative).is_absolute() or ".." in Path(relative).parts:  # lexically: Hub snapshots hold symlinks
+        raise CheckpointError(f"{directory / 'config.json'}: {field}={relative!r} points outside the checkpoint "
+                              f"directory: restore config.json")
+    return directory / relative
 
 
 @contextlib.contextmanager
@@ -75,7 +88,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
                                      "the base model the heads were built for")
         config.validate_heads()
         self.base_lm = base_model
-        self.heads = DraftHeads(config, base_model.get_output_embeddings())
+        self.heads = DraftHeads(config, base_model.get_output_embeddings(), base_model.get_input_embeddings())
         self.heads.to(device=base_model.device, dtype=base_model.dtype)
         self.generation_config = BlockwiseGenerationConfig.from_base(base_model.generation_config)
         self.last_generation_stats: GenerationStats | None = None
@@ -121,7 +134,12 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
             if not (directory / "config.json").exists():
                 raise CheckpointError(f"no config.json in {directory}: pass a directory written by "
                                       "BlockwiseParallelForCausalLM.save_pretrained")
-            config = BlockwiseParallelConfig.from_pretrained(directory)
+            try:
+                config = BlockwiseParallelConfig.from_pretrained(directory)
+            except (OSError, ValueError, TypeError, KeyError) as err:  # invalid JSON, a tampered or foreign config
+                message = " ".join(str(err).split())[:300] or type(err).__name__
+                raise CheckpointError(f"{directory / 'config.json'} is not a valid heads config ({message}): restore "
+                                      "it, or save the heads again with model.save_pretrained(dir)") from None
         if base_model is None:
             if not config.base_model_name_or_path:
                 raise BaseModelError("the checkpoint names no base model: pass base_model=... to from_pretrained")
@@ -136,7 +154,16 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         if config.base_adapter:
             from peft import PeftModel
 
-            base_model = PeftModel.from_pretrained(base_model, directory / config.base_adapter).merge_and_unload()
+            from .rescorers.neural import quiet_peft
+
+            adapter = _inside(directory, config.base_adapter, "base_adapter")
+            try:
+                with quiet_peft():
+                    base_model = PeftModel.from_pretrained(base_model, adapter).merge_and_unload()
+            except Exception as err:  # noqa: BLE001 - peft / safetensors raise many kinds
+                raise CheckpointError(f"the base adapter {adapter} cannot be loaded ({type(err).__name__}: "
+                                      f"{' '.join(str(err).split())[:200]}): restore it, or remove base_adapter "
+                                      "from config.json") from None
         model = cls(config, base_model)
         if config.base_adapter:
             model._bundle_sources["base_adapter"] = directory / config.base_adapter
@@ -144,7 +171,8 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         config.draft_vocab = None  # from here on the ids live in the heads' state
         model.generation_config = load_generation_config(directory, base_model, config)
         for name, spec in config.rescorers.items():
-            model.bundle_rescorer(name, directory / spec["path"], **{k: v for k, v in spec.items() if k != "path"})
+            model._attach_rescorer(name, _inside(directory, spec["path"], f"rescorers.{name}.path"),
+                                   {k: v for k, v in spec.items() if k != "path"})
         model.eval()
         return model
 
@@ -153,11 +181,32 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         `alpha` and fields (`order` for "ngram"; `type`, `num_layers` for "neural"): `generate(rescorer=name)` then
         uses it and `save_pretrained` copies its file(s) into `rescorers/`."""
         path = Path(path)
+        if path.is_file() and "sha256" not in fields:  # recorded in config.json, checked on every load
+            from .rescorers.kenlm import file_sha256
+
+            fields["sha256"] = file_sha256(path)
+        if name == "ngram" and "vocab_size" not in fields:
+            from .rescorers.ngram import _read_info
+
+            if _read_info(path).get("vocab_size") is not None:
+                fields["vocab_size"] = int(_read_info(path)["vocab_size"])
+        self._attach_rescorer(name, path, {"alpha": alpha, **fields})
+
+    def _attach_rescorer(self, name: str, path: Path, spec: dict) -> None:
+        """Load and attach a bundled rescorer (`bundle_rescorer`, and `from_pretrained` for the config's)."""
         if not path.exists():
             raise CheckpointError(f"bundled {name} rescorer {path} is missing: rebuild it or remove it from "
                                   "config.json's 'rescorers'")
-        spec = {"alpha": float(alpha), **fields}
-        self.bundled_rescorers[name] = rescorer_class(name).from_bundle(self.base_lm, path, **spec)
+        alpha = spec.get("alpha", 1.0)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha >= 0:
+            raise CheckpointError(f"the bundled {name} rescorer's alpha must be a number >= 0, got {alpha!r}: fix "
+                                  "config.json's 'rescorers' (hf-bpd tune-alpha --save writes it)")
+        spec = {**spec, "alpha": float(alpha)}
+        try:
+            self.bundled_rescorers[name] = rescorer_class(name).from_bundle(self.base_lm, path, **spec)
+        except TypeError as err:  # a field the rescorer does not take (a tampered or foreign config)
+            raise CheckpointError(f"config.json's 'rescorers.{name}' holds a field the {name} rescorer does not take "
+                                  f"({err}): remove it") from None
         self._bundle_sources[name] = path
         self.config.rescorers[name] = {"path": f"rescorers/{path.name}", **spec}
 
@@ -227,9 +276,11 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         `labels` (aligned with `input_ids`, -100 ignored) train head `h` (1-based) at `t` on `labels[t + 1 + h]`;
         `num_heads` uses the first heads only; `base_loss_weight` adds the base's own loss (0 for a frozen base)."""
         captured = {}
+        caller = threading.get_ident()
 
         def keep_hidden(_module, args):
-            captured["hidden"] = args[0]
+            if threading.get_ident() == caller:  # another thread's forward on this model is not ours
+                captured["hidden"] = args[0]
 
         given = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                      past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
@@ -237,7 +288,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
             base_out = self.base_lm(**{k: v for k, v in given.items() if v is not None}, **kwargs)
         hidden = captured["hidden"]
         n = self.config.num_heads if num_heads is None else num_heads
-        head_logits = self.heads(hidden, n) if return_head_logits else None
+        head_logits = self.heads(hidden, n, tokens=input_ids) if return_head_logits else None
         loss = base_loss = head_losses = None
         if labels is not None:
             head_loss, head_losses = self.heads.loss(hidden, labels, self.config.head_loss_weights, n)
@@ -272,6 +323,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         start = time.perf_counter()
         options = drafting_options(kwargs, generation_config, self.generation_config)
         prompt = inputs if inputs is not None else kwargs.get("input_ids")
+        check_inputs(self, prompt, generation_config, kwargs)  # one-line errors before any forward pass
         if not options.use_heads and not options.compile:
             stats = GenerationStats(method="plain")
             result = super().generate(inputs, generation_config, **kwargs)
@@ -296,3 +348,8 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
             result = BlockwiseGenerateOutput(**result, generation_stats=stats)
         return result
 
+
+# `AutoConfig` / `AutoModelForCausalLM.from_pretrained(dir)` know the model type once this module is imported
+# (`import hf_bpd` imports it, except inside the `hf-bpd` command, which imports what it needs when it needs it).
+AutoConfig.register(BlockwiseParallelConfig.model_type, BlockwiseParallelConfig, exist_ok=True)
+AutoModelForCausalLM.register(BlockwiseParallelConfig, BlockwiseParallelForCausalLM, exist_ok=True)

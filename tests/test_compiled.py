@@ -112,3 +112,32 @@ def test_a_fresh_runner_compiles_each_block_length_once(one_thread):
     assert counters["stats"]["unique_graphs"] - before == 1
     assert set(runner.bucket_ms) == {3}
     verify._RUNNERS.pop(model.base_lm, None)
+
+
+def test_compiled_hydra_heads_step_and_decoding_are_exact(model):
+    """Sequential (hydra) heads on the same base: the compiled heads step (each head reads the previous head's
+    argmax inside the graph) gives the eager drafting lattice, and compiled decoding stays exact."""
+    from hf_bpd import BlockwiseParallelForCausalLM
+
+    hydra = BlockwiseParallelForCausalLM.from_base(model.base_lm, num_heads=3, head_type="hydra",
+                                                   head_intermediate_size=48)
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in hydra.heads.parameters():
+            if p.is_floating_point():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    hydra.eval()
+    runner = next(iter(verify._RUNNERS[model.base_lm].values()))
+    step = runner.heads_step(hydra.heads, 16)
+    hidden = torch.randn(hydra.config.hidden_size, generator=generator)
+    with torch.no_grad():
+        values, indices = step(hidden, 11)
+        eager = hydra.heads.step_logits(hidden, 3, 11).float().log_softmax(-1).topk(16, dim=-1)
+    assert torch.equal(indices[:, 0], eager.indices[:, 0])
+    torch.testing.assert_close(values, eager.values, rtol=1e-4, atol=1e-4)
+    for seed in range(3):
+        ids = prompt(40 + seed, 4 + 3 * seed)
+        kwargs = dict(max_new_tokens=20, do_sample=False, eos_token_id=None)
+        for options in ({}, {"prompt_lookup": True}):
+            assert torch.equal(hydra.generate(ids, compile=True, **options, **kwargs),
+                               model.base_lm.generate(ids, **kwargs)), (seed, options)

@@ -325,3 +325,38 @@ def test_tune_rescorers_smoke_bundles_the_better_ngram_and_sets_the_default(tmp_
     prompt = tokenizer("Count to 5", return_tensors="pt")
     reference = base.generate(**prompt, max_new_tokens=20, do_sample=False)
     assert torch.equal(loaded.generate(**prompt, max_new_tokens=20), reference)  # the default: rescorer="ngram"
+
+
+def test_train_hydra_heads_with_soft_targets(tmp_path, tiny_chat_base, tiny_data):
+    """`--head-type hydra --soft-target-weight`: the loss goes down, the run is recorded, the heads load and draft."""
+    out = tmp_path / "hydra"
+    run_train("--model", tiny_chat_base, "--data", tiny_data, "--epochs", "3", "--head-type", "hydra",
+              "--head-intermediate-size", "48", "--soft-target-weight", "0.5", "--soft-target-temperature", "2",
+              "--output-dir", out, *COMMON)
+    log = list(losses(out).values())
+    assert sum(log[-5:]) / 5 < 0.85 * sum(log[:5]) / 5
+    training = json.loads((out / "training.json").read_text())
+    assert training["head_type"] == "hydra" and training["soft_target_weight"] == 0.5
+    model = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(out)
+    assert model.config.head_type == "hydra"
+    ids = torch.tensor([[5, 9, 13, 7]])
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert torch.equal(model.generate(ids, **kwargs), model.base_lm.generate(ids, **kwargs))
+    # benchmarks/draft_quality.py (smoke): references computed once and reused, every head count analysed
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"Count {i}"]}) + "\n"
+                                 for i, c in [(3, "a"), (4, "b")]))
+    refs, report = tmp_path / "refs.jsonl", tmp_path / "dq.json"
+    for _ in range(2):
+        result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "draft_quality.py"), "--checkpoints",
+                                 str(out), "--questions", str(questions), "--max-new-tokens", "10", "--references",
+                                 str(refs), "--rescorer-from", "", "--num-heads", "1,2", "--threads", "1",
+                                 "--output", str(report)], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert len(refs.read_text().splitlines()) == 2  # the second run reused them
+    rows = json.loads(report.read_text())["results"]
+    assert [r["num_heads"] for r in rows] == [1, 2] and rows[0]["head_type"] == "hydra"
+    assert all(1.0 <= r["summary"]["all"]["vanilla"]["block_efficiency"] <= 1 + r["num_heads"] for r in rows)
+    bad = run_train("--model", tiny_chat_base, "--data", tiny_data, "--soft-target-weight", "1.5",
+                    "--output-dir", tmp_path / "bad", accelerate=False, check=False)
+    assert bad.returncode != 0 and "--soft-target-weight" in bad.stderr

@@ -231,7 +231,11 @@ def analyze_prompt(model, input_ids: torch.Tensor, max_new_tokens: int, top_ks: 
     if rescorer is not None:
         rescorer.reset()
     for start in range(0, steps, chunk):
-        head_logits = model.heads(hidden[None, start: start + chunk], num_heads)[0]  # (h, chunk, draft_vocab)
+        # (h, chunk, draft_vocab); sequential heads read the reference's tokens (a head's draft only counts when
+        # every earlier one was accepted, i.e. equal to the reference: then it read exactly what it would at decoding)
+        first = prompt_length - 1 + start
+        tokens = reference[:, first: first + chunk + num_heads + 1]
+        head_logits = model.heads(hidden[None, start: start + chunk], num_heads, tokens=tokens)[0]
         head_entropy = entropy(head_logits)
         for offset in range(head_logits.shape[1]):
             j = start + offset

@@ -91,39 +91,55 @@ def load_questions(path: str | Path) -> list[dict]:
         raise FileNotFoundError(f"no questions file at {path}: pass a .jsonl/.json/.txt prompt file")
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".jsonl":
-        records = []
+        records, where = [], []
         for number, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as err:
                     raise ValueError(f"{path}:{number} is not valid JSON ({err.msg})") from None
+                where.append(f"{path}:{number}")
     elif path.suffix == ".json":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} is not valid JSON ({err.msg} at line {err.lineno})") from None
-        records = data if isinstance(data, list) else data.get("data") or data.get("questions") or [data]
+        records = data if isinstance(data, list) else (data.get("data") or data.get("questions") or [data]
+                                                       if isinstance(data, dict) else [data])
+        where = [f"{path} record {i}" for i in range(1, len(records) + 1)] if isinstance(records, list) else []
+        if not isinstance(records, list):
+            raise ValueError(f"{path}: expected a list of JSON objects (MT-bench or Alpaca records)")
     else:
         records = [{"prompt": line} for line in text.splitlines() if line.strip()]
-    out, seen = [], set()
-    for record in records:
+        where = [str(path)] * len(records)
+    out, seen, bad = [], set(), []  # a record without a usable prompt is an error, never silently dropped
+    for record, at in zip(records, where):
         if not isinstance(record, dict):
-            raise ValueError(f"{path}: expected JSON objects (MT-bench or Alpaca records), got {type(record).__name__}")
+            raise ValueError(f"{at}: expected JSON objects (MT-bench or Alpaca records), got {type(record).__name__}")
         turns = record.get("turns")
-        if isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns):
+        if "turns" in record:
+            if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns)):
+                bad.append(f"{at}: 'turns' must be a non-empty list of non-empty strings, got "
+                           f"{json.dumps(turns)[:60]}")
+                continue
             turns = [t.strip() for t in turns]
         else:
             prompt = record_prompt(record)
-            turns = [prompt] if prompt else None
-        if not turns or not turns[0] or tuple(turns) in seen:
+            if not prompt:
+                bad.append(f"{at} holds no prompt (no 'turns', 'instruction', 'prompt' or conversation)")
+                continue
+            turns = [prompt]
+        if tuple(turns) in seen:
             continue
         seen.add(tuple(turns))
         qid = record.get("question_id") or record.get("id") or prompt_id(path.stem, turns[0])
         out.append({"id": str(qid), "category": str(record.get("category") or path.stem), "turns": turns})
     if not out:
         raise ValueError(f"no prompts in {path}: expected MT-bench (turns), Alpaca (instruction/input) records or "
-                         "one prompt per line")
+                         "one prompt per line" + (f" ({bad[0]})" if bad else ""))
+    if bad:
+        raise ValueError(f"{bad[0]}: fix or remove the record" + (f" ({len(bad) - 1} more like it)"
+                                                                 if len(bad) > 1 else ""))
     return out
 
 

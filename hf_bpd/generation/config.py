@@ -19,16 +19,20 @@ Set them once (`model.generation_config.rescorer = "ngram"`, saved with the chec
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import GenerationConfig
 
-from ..errors import BPDConfigError
+from ..errors import BPDConfigError, BPDTypeError, CheckpointError
+from ..limits import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS  # noqa: F401 - the documented ceilings
 
 DRAFTING_DEFAULTS = {"rescorer": None, "draft_top_k": None, "num_drafts": 1, "num_heads_to_use": None, "tree": None,
                      "prompt_lookup": False, "draft_schedule": "fixed"}
 DRAFTING_OPTIONS = tuple(DRAFTING_DEFAULTS)
+
+SCHEDULE_NAMES = ("fixed", "cost")  # = budget.SCHEDULES (checked there too); kept here so validation stays light
 
 
 class BlockwiseGenerationConfig(GenerationConfig):
@@ -89,15 +93,70 @@ def drafting_options(kwargs: dict, generation_config: GenerationConfig | None,
             values[name] = getattr(generation_config, name)
         else:
             values[name] = getattr(model_config, name, default)
-    for name in ("use_heads", "compile"):
-        if not isinstance(values[name], bool):
-            raise BPDConfigError(f"{name} must be True or False, got {values[name]!r}")
+    values = validate_drafting_values(values)
     if values["use_heads"] is False:
         given = [n for n in DRAFTING_OPTIONS if n in explicit]
         if given:
             raise BPDConfigError(f"use_heads=False decodes without drafting, so {', '.join(given)} would be ignored: "
                                  "drop them, or drop use_heads=False")
+    if values["tree"] is not None and "num_drafts" in explicit and values["num_drafts"] != 1:
+        raise BPDConfigError(f"tree= drafts the tree's rank paths, so num_drafts={values['num_drafts']} would be "
+                             "ignored: drop num_drafts, or pass tree=None (p-best drafts)")
     return DraftingOptions(**values, explicit=tuple(explicit))
+
+
+def _int_value(name: str, value, low: int, high: int | None, where: str = "") -> int:
+    """`value` as an int in [low, high] (bools refused; numpy / 0-d tensor integers accepted), else a one-line
+    error naming the option, the range and an example."""
+    bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise BPDTypeError(f"{where}{name} must be an integer {bound}, got {value!r} "
+                           f"({type(value).__name__}): pass e.g. {name}={low}") from None
+    if number < low or (high is not None and number > high):
+        raise BPDConfigError(f"{where}{name} must be an integer {bound}, got {value!r}: pass a value in that "
+                             "range")
+    return number
+
+
+def validate_drafting_values(values: dict, where: str = "") -> dict:
+    """Check the drafting options in `values` that need no model (types, ranges, names; the ones that depend on
+    the heads are checked by `decoding.plan_drafting`); returns them with integers normalised. `where` prefixes
+    every message (e.g. the file the values came from)."""
+    out = dict(values)
+    for name in ("use_heads", "compile", "prompt_lookup"):
+        if name in out and not isinstance(out[name], bool):
+            raise BPDTypeError(f"{where}{name} must be True or False, got {out[name]!r}: pass {name}=True or "
+                               f"{name}=False")
+    if out.get("draft_top_k") is not None:
+        out["draft_top_k"] = _int_value("draft_top_k", out["draft_top_k"], 1, MAX_DRAFT_TOP_K, where)
+    if "num_drafts" in out:
+        out["num_drafts"] = _int_value("num_drafts", out["num_drafts"], 1, MAX_NUM_DRAFTS, where)
+    if out.get("num_heads_to_use") is not None:
+        out["num_heads_to_use"] = _int_value("num_heads_to_use", out["num_heads_to_use"], 1, None, where)
+    if "draft_schedule" in out and out["draft_schedule"] not in SCHEDULE_NAMES:
+        raise BPDConfigError(f"{where}draft_schedule must be one of {', '.join(map(repr, SCHEDULE_NAMES))}, got "
+                             f"{out['draft_schedule']!r}: pass draft_schedule='fixed' (every drafted token) or "
+                             "'cost'")
+    rescorer = out.get("rescorer")
+    if rescorer is not None and not isinstance(rescorer, str):
+        from ..rescorers.base import Rescorer
+
+        if not isinstance(rescorer, Rescorer):
+            raise BPDTypeError(f"{where}rescorer must be a registered name (hf_bpd.available_rescorers()), 'none', "
+                               f"None or a hf_bpd.Rescorer instance, got {type(rescorer).__name__}")
+    tree = out.get("tree")
+    if tree is not None:
+        if not isinstance(tree, (str, list, tuple)):
+            raise BPDTypeError(f"{where}tree must be widths per head ('4,2,2,1' or (4, 2, 2, 1)) or rank paths "
+                               f"([(0,), (1,), (0, 0)]), got {type(tree).__name__}")
+        if len(tree) > (8 * MAX_DRAFT_NODES if isinstance(tree, str) else MAX_DRAFT_NODES):
+            raise BPDConfigError(f"{where}tree has {len(tree)} entries, over the ceiling of {MAX_DRAFT_NODES} nodes "
+                                 "per verification: prune it")
+    return out
 
 
 def load_generation_config(directory: Path, base_model, config) -> BlockwiseGenerationConfig:
@@ -105,9 +164,21 @@ def load_generation_config(directory: Path, base_model, config) -> BlockwiseGene
     that old checkpoints kept in config.json are moved here."""
     path = directory / "generation_config.json"
     if path.exists():
-        values = json.loads(path.read_text())
+        try:
+            values = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{path} is not valid JSON ({getattr(err, 'msg', err)}): restore it, or delete it "
+                                  "to use the base's generation settings") from None
+        if not isinstance(values, dict):
+            raise CheckpointError(f"{path} must hold a JSON object of generation settings: restore it, or delete it")
         values.pop("transformers_version", None)
-        generation_config = BlockwiseGenerationConfig(**values)
+        validate_drafting_values({k: v for k, v in values.items() if k in DRAFTING_OPTIONS + ("use_heads", "compile")},
+                                 where=f"{path}: ")
+        try:
+            generation_config = BlockwiseGenerationConfig(**values)
+        except (ValueError, TypeError) as err:
+            raise CheckpointError(f"{path} holds invalid generation settings ({str(err).strip().splitlines()[0]}): "
+                                  "fix or delete it") from None
     else:
         generation_config = BlockwiseGenerationConfig.from_base(base_model.generation_config)
     for name, value in config.legacy_generation_options.items():

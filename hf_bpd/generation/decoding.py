@@ -26,18 +26,16 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
-from ..errors import BPDConfigError
+from ..errors import BPDConfigError, BPDTypeError, InputError, WorkLimitError
+from ..limits import MAX_COST_SCHEDULE_BLOCK
 from ..rescorers.base import HeadScoreRescorer, resolve_rescorer
 from .budget import SCHEDULES, DraftBudget, HeadCalibration, eager_costs
-from .config import DraftingOptions
+from .config import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS, DraftingOptions
 from .drafting import BlockDrafter, NoDrafter
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import StopGuard
 from .tree import DraftTree, parse_tree
 from .verify import _RUNNERS, EagerVerifier, compiled_verifier, head_top_k
-
-MAX_DRAFT_TOP_K = 64  # lattice width ceiling (rescoring cost grows with it)
-MAX_NUM_DRAFTS = 64  # drafts verified together ceiling (the verification block grows with it)
 
 
 @dataclass
@@ -52,9 +50,88 @@ class DecodingPlan:
 
 
 def _int_option(name: str, value, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise BPDConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BPDTypeError(f"{name} must be an integer in [{low}, {high}], got {value!r} ({type(value).__name__})")
+    if not low <= value <= high:
+        raise BPDConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}: pass a value in that "
+                             "range")
     return value
+
+
+def max_positions(base) -> int | None:
+    """The most positions the base model's config allows (`max_position_embeddings`, GPT-2's `n_positions`), or
+    None when it names no limit."""
+    text = base.config.get_text_config()
+    for field in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text, field, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _length_option(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BPDTypeError(f"{name} must be an integer >= 1, got {value!r} ({type(value).__name__}): pass e.g. "
+                           f"{name}=128")
+    return value
+
+
+def check_inputs(model, input_ids, generation_config, kwargs: dict) -> None:
+    """One-line `InputError`s for `generate()` inputs, before any forward pass: the prompt's type, shape and token
+    ids, and the requested length against the base's positions (prompt + max_new_tokens, else max_length)."""
+    if input_ids is None:
+        return  # inputs_embeds / BOS-only generation: transformers checks those
+    if not isinstance(input_ids, torch.Tensor):
+        raise BPDTypeError(f"input_ids must be a torch.LongTensor of shape (batch, length), got "
+                           f"{type(input_ids).__name__}: tokenize with return_tensors='pt'")
+    if input_ids.dtype not in (torch.long, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise BPDTypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}: pass "
+                           "input_ids.long()")
+    if input_ids.dim() != 2:
+        raise InputError(f"input_ids must have shape (batch, length), got {tuple(input_ids.shape)}: add a batch "
+                         "dimension with input_ids[None]")
+    if input_ids.shape[1] == 0:
+        raise InputError(f"the prompt is empty (input_ids of shape {tuple(input_ids.shape)}): pass at least one "
+                         "token, e.g. the tokenizer's BOS token")
+    if input_ids.shape[0] == 0:
+        raise InputError("input_ids holds no sequence (batch of 0): pass at least one prompt")
+    vocab = model.base_lm.config.get_text_config().vocab_size
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or (vocab is not None and high >= vocab):
+        bad = low if low < 0 else high
+        raise InputError(f"input_ids holds token id {bad}, outside the base model's vocabulary [0, {vocab}): "
+                         "tokenize with the base model's own tokenizer")
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and tuple(mask.shape) != tuple(input_ids.shape):
+        raise InputError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has {tuple(input_ids.shape)}: "
+                         "pass the mask the tokenizer returned with these ids")
+    config = generation_config if generation_config is not None else model.generation_config
+    prompt = input_ids.shape[1]
+    if "max_new_tokens" in kwargs or ("max_length" not in kwargs and config.max_new_tokens is not None):
+        new = kwargs.get("max_new_tokens", config.max_new_tokens)
+        if new is not None:
+            new = _length_option("max_new_tokens", new)
+            if new < 1:
+                raise InputError(f"max_new_tokens must be an integer >= 1, got {new}")
+            total, asked = prompt + new, f"the prompt ({prompt} tokens) + max_new_tokens ({new})"
+            fix = "lower max_new_tokens to {room}"
+        else:
+            total = None
+    else:
+        total = None
+    if total is None:
+        length = _length_option("max_length", kwargs.get("max_length", config.max_length))
+        total, asked = length, f"max_length ({length})"
+        fix = "lower max_length to {limit} (or pass max_new_tokens <= {room})"
+    limit = max_positions(model.base_lm)
+    if limit is not None and total > limit:
+        room = limit - prompt
+        if room < 1:
+            raise InputError(f"the prompt ({prompt} tokens) fills the base model's {limit} positions "
+                             "(max_position_embeddings): shorten the prompt")
+        raise InputError(f"{asked} = {total} tokens exceeds the base model's {limit} positions "
+                         f"(max_position_embeddings): " + fix.format(room=room, limit=limit) + " or shorten the "
+                         "prompt")
 
 
 def plan_drafting(model, options: DraftingOptions) -> DecodingPlan:
@@ -64,6 +141,10 @@ def plan_drafting(model, options: DraftingOptions) -> DecodingPlan:
     n = _int_option("num_heads_to_use", n, 1, config.num_heads)
     vocab = config.draft_size
     num_drafts = _int_option("num_drafts", options.num_drafts, 1, MAX_NUM_DRAFTS)
+    if options.tree is None and num_drafts * n > MAX_DRAFT_NODES:
+        raise WorkLimitError(f"num_drafts x heads = {num_drafts} x {n} = {num_drafts * n} draft tokens per "
+                             f"verification, over the ceiling of {MAX_DRAFT_NODES}: pass num_drafts <= "
+                             f"{MAX_DRAFT_NODES // n} (or fewer num_heads_to_use)")
     rescorer = resolve_rescorer(options.rescorer, model.bundled_rescorers, model)
     choices = None if options.tree is None else parse_tree(options.tree, n)
     plain = num_drafts == 1 and isinstance(rescorer, HeadScoreRescorer) and choices is None
@@ -73,19 +154,28 @@ def plan_drafting(model, options: DraftingOptions) -> DecodingPlan:
     top_k = _int_option("draft_top_k", top_k, 1, min(MAX_DRAFT_TOP_K, vocab))
     if choices is not None:
         widest = 1 + max(r for c in choices for r in c)
-        if widest > vocab:
-            raise BPDConfigError(f"tree ranks reach {widest - 1}, beyond the {vocab}-token draft vocabulary: use "
-                                 "smaller ranks")
+        if widest > min(MAX_DRAFT_TOP_K, vocab):
+            limit = min(MAX_DRAFT_TOP_K, vocab)
+            why = f"the {vocab}-token draft vocabulary" if vocab < MAX_DRAFT_TOP_K else "the lattice width ceiling"
+            raise BPDConfigError(f"tree ranks reach {widest - 1}, but ranks must be < {limit} ({why}): use smaller "
+                                 "ranks")
     if not isinstance(options.prompt_lookup, bool):
-        raise BPDConfigError(f"prompt_lookup must be True or False, got {options.prompt_lookup!r}")
+        raise BPDTypeError(f"prompt_lookup must be True or False, got {options.prompt_lookup!r}")
     if options.draft_schedule not in SCHEDULES:
         raise BPDConfigError(f"draft_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got "
                              f"{options.draft_schedule!r}")
     rescorer.check_compatible(model)
+    if choices is None and not plain:
+        rescorer.check_work(n, top_k, num_drafts)
+    rescorer = rescorer.for_call()  # this call's own rescorer state (nothing shared with concurrent calls)
     rescorer.reset()
     method = "tree" if choices is not None else ("p-best" if num_drafts > 1 else "chain")
     method += "+lookup" if options.prompt_lookup else ""
     drafter = BlockDrafter(model.heads, n, top_k, num_drafts, rescorer, choices, options.prompt_lookup)
+    if options.draft_schedule == "cost" and drafter.max_block_length() > MAX_COST_SCHEDULE_BLOCK:
+        raise WorkLimitError(f"draft_schedule='cost' weighs blocks of up to {MAX_COST_SCHEDULE_BLOCK} tokens, this "
+                             f"plan verifies up to {drafter.max_block_length()}: use fewer drafts (num_drafts, tree) or "
+                             "draft_schedule='fixed'")
     drafter.calibration = HeadCalibration.from_dict(getattr(config, "head_calibration", None))
     return DecodingPlan(drafter=drafter, stats=GenerationStats(method=method), schedule=options.draft_schedule)
 

@@ -36,7 +36,7 @@ class BlockDrafter:
         self.rescorer = rescorer or HeadScoreRescorer()
         self.tree_choices = tree_choices
         self.prompt_lookup = prompt_lookup
-        self.head_top = None  # hidden -> (top-k log-probs, indices) of every head; set when decoding compiles
+        self.head_top = None  # (hidden, next token) -> (top-k log-probs, indices) of every head; set when compiled
         self.calibration: HeadCalibration | None = None  # measured acceptance rates (`hf-bpd calibrate`)
         # A compiled chain keeps its block length (block lengths up to 4 cost about one token there, longer ones
         # much more): prompt lookup's copy then shares the chain's slots instead of adding a path.
@@ -53,8 +53,10 @@ class BlockDrafter:
         return 1 + self.num_heads * self.num_drafts + lookup
 
     @torch.no_grad()
-    def lattice(self, hidden: torch.Tensor, num_heads: int | None = None) -> Lattice:
-        logits = self.heads.step_logits(hidden, num_heads or self.num_heads)
+    def lattice(self, hidden: torch.Tensor, num_heads: int | None = None, next_token: int | None = None) -> Lattice:
+        """The top-k lattice of the heads from `hidden`; sequential (hydra) heads read `next_token` (the base's next
+        token) and then each other's argmax, so their lattice is conditioned on the heads' greedy path."""
+        logits = self.heads.step_logits(hidden, num_heads or self.num_heads, next_token)
         return Lattice.from_head_logits(logits, self.top_k, self.heads.to_vocab_ids)
 
     @torch.no_grad()
@@ -85,16 +87,16 @@ class BlockDrafter:
             return [], []
         plain = self.tree_choices is None and self.top_k == 1 and type(self.rescorer) is HeadScoreRescorer
         if self.head_top is not None:  # the compiled heads step (generate(compile=True))
-            values, indices = self.head_top(hidden)
+            values, indices = self.head_top(hidden, context[-1])
             values, indices = values[:n, : self.top_k].cpu(), indices[:n, : self.top_k]
             if plain:
                 return [tuple(self.heads.to_vocab_ids(indices[:, 0]).tolist())], values[:, 0].exp().tolist()
             lattice = Lattice(self.heads.to_vocab_ids(indices).cpu(), values)
         elif plain:  # Plain BPD: the argmax of each head, no lattice needed.
-            best = torch.softmax(self.heads.step_logits(hidden, n).float(), dim=-1).max(-1)
+            best = torch.softmax(self.heads.step_logits(hidden, n, context[-1]).float(), dim=-1).max(-1)
             return [tuple(self.heads.to_vocab_ids(best.indices).tolist())], best.values.tolist()
         else:
-            lattice = self.lattice(hidden, n)
+            lattice = self.lattice(hidden, n, context[-1])
         if self.tree_choices is not None:
             drafts = [lattice.path_tokens(c) for c in self.tree_choices if len(c) <= n]
             return drafts, lattice.logprobs[:, 0].exp().tolist()  # the top-1 path's

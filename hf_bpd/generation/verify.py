@@ -122,7 +122,9 @@ class _HeadsStep(nn.Module):
     def __init__(self, heads, top_k: int):
         super().__init__()
         self.top_k = top_k
-        self.head_blocks = nn.ModuleList(head.blocks for head in heads.heads)
+        self.heads = nn.ModuleList(heads.heads)
+        self.sequential = heads.sequential
+        self.input_embeddings = heads._input_embeddings[0] if heads.sequential else None
         self.head_projections = None
         if heads.heads[0].projection is not None:
             self.head_projections = nn.ModuleList(head.projection for head in heads.heads)
@@ -131,14 +133,31 @@ class _HeadsStep(nn.Module):
             bias = heads._base_projection_bias()
         self.register_buffer("projection", weight, persistent=False)
         self.register_buffer("projection_bias", None if bias is None else bias.detach(), persistent=False)
+        self.register_buffer("draft_vocab", heads.draft_vocab, persistent=False)
         self.softcap = heads.logit_softcapping
 
-    def forward(self, hidden):
-        states = torch.cat([blocks(hidden[None]) for blocks in self.head_blocks])  # (heads, hidden)
+    def project(self, states, index=None):
         if self.head_projections is not None:
-            logits = torch.cat([proj(state[None]) for proj, state in zip(self.head_projections, states)])
+            if index is not None:
+                return self.head_projections[index](states)
+            return torch.cat([proj(state[None]) for proj, state in zip(self.head_projections, states)])
+        return nn.functional.linear(states, self.projection, self.projection_bias)
+
+    def forward(self, hidden, token):
+        """`hidden (hidden_size,)`, `token ()` the base's next token (read by sequential heads only)."""
+        if self.sequential:  # each head reads the previous head's state and argmax token
+            state, rows = hidden[None], []
+            for index, head in enumerate(self.heads):
+                dtype = head.blocks[0].up.weight.dtype
+                state = head(state, self.input_embeddings(token.reshape(1)).to(dtype))
+                rows.append(self.project(state, index))
+                token = rows[-1][0].argmax(-1)
+                if self.draft_vocab is not None:
+                    token = self.draft_vocab[token]
+            logits = torch.cat(rows)
         else:
-            logits = nn.functional.linear(states, self.projection, self.projection_bias)
+            states = torch.cat([head(hidden[None]) for head in self.heads])  # (heads, hidden)
+            logits = self.project(states)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         logits = logits.float()
@@ -191,16 +210,18 @@ class CompiledRunner:
         return logits, hidden
 
     def heads_step(self, heads, top_k: int):
-        """The compiled heads step for `heads` at lattice width `top_k`: `hidden (hidden_size,) -> (values, indices)`."""
+        """The compiled heads step for `heads` at lattice width `top_k`: `(hidden (hidden_size,), next token) ->
+        (values, indices)`."""
         by_width = self.heads_steps.setdefault(heads, {})
         if top_k not in by_width:
             compiled = torch.compile(_HeadsStep(heads, top_k).eval(), dynamic=False)
             key = (id(heads), top_k)
 
-            def run(hidden):
+            def run(hidden, token):
                 start = time.perf_counter()
+                token = torch.as_tensor(token, dtype=torch.long, device=hidden.device)
                 with _Patches():
-                    out = compiled(hidden)
+                    out = compiled(hidden, token)
                 if key not in self.compiled_heads:
                     self.compiled_heads[key] = time.perf_counter() - start
                 return out
@@ -214,7 +235,7 @@ class CompiledRunner:
         with self.lock, torch.no_grad():
             if heads is not None:
                 self.heads_step(heads, top_k)(torch.zeros(self.base.config.get_text_config().hidden_size,
-                                                          dtype=self.base.dtype, device=device))
+                                                          dtype=self.base.dtype, device=device), 0)
             for b in buckets:
                 if b in self.compiled_buckets:
                     continue

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,11 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from ..errors import BaseModelError
-
-
-def cache_dir() -> Path:
-    """Where converted base models live: `$HF_BPD_CACHE`, else `~/.cache/hf_bpd`."""
-    return Path(os.environ.get("HF_BPD_CACHE", Path.home() / ".cache" / "hf_bpd"))
+from .locate import cache_dir, locate  # noqa: F401 - cache_dir is part of this module's interface
 
 
 def _gguf_inside_package(module: str) -> Path:
@@ -88,22 +83,27 @@ def _convert_packaged(model: PackagedModel, target: Path) -> None:
     tmp.rename(target)
 
 
-def resolve_base_path(name_or_path: str) -> str:
-    """Local directory or Hub id for `name_or_path`; packaged aliases are converted into the cache first."""
-    if name_or_path in PACKAGED_MODELS:
+def resolve_base_path(name_or_path: str, what: str = "base model") -> str:
+    """Local directory or Hub id for `name_or_path`; packaged aliases are converted into the cache first. Names that
+    cannot work (no such directory, a misspelt alias, a Hub id that is neither cached nor reachable, or not cached
+    under `HF_HUB_OFFLINE`) raise a one-line `BaseModelError` before any Hub call (`hub.locate`)."""
+    kind, where = ("alias", name_or_path) if name_or_path in PACKAGED_MODELS else locate(name_or_path, what)
+    if kind == "alias":
         target = cache_dir() / "models" / name_or_path
         if not (target / "config.json").exists():
             _convert_packaged(PACKAGED_MODELS[name_or_path], target)
         return str(target)
-    return name_or_path
+    return where
 
 
 def load_base_model(name_or_path: str, dtype: torch.dtype | str = torch.float32, **kwargs) -> PreTrainedModel:
     """Load only the causal base model (see `load_base`), in eval mode."""
-    path = resolve_base_path(name_or_path)
+    path = resolve_base_path(str(name_or_path))
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
-    except OSError as err:
+    except (OSError, ValueError) as err:
+        if isinstance(err, BaseModelError):
+            raise
         raise BaseModelError(
             f"could not load base model {name_or_path!r} ({str(err).splitlines()[0]}): pass a local directory, "
             f"a cached Hub id, or one of the offline aliases {', '.join(PACKAGED_MODELS)}"
@@ -182,12 +182,18 @@ def load_tokenizer(name_or_path: str):
     if config_file.exists() and not (Path(name_or_path) / "tokenizer_config.json").exists():
         import json
 
-        config = json.loads(config_file.read_text())
-        if config.get("model_type") == "blockwise_parallel" and config.get("base_model_name_or_path"):
+        try:
+            config = json.loads(config_file.read_text())
+        except ValueError as err:
+            raise BaseModelError(f"{config_file} is not valid JSON ({' '.join(str(err).split())}): restore it") from None
+        if isinstance(config, dict) and config.get("model_type") == "blockwise_parallel" \
+                and config.get("base_model_name_or_path"):
             name_or_path = config["base_model_name_or_path"]
     try:
-        return AutoTokenizer.from_pretrained(resolve_base_path(name_or_path))
-    except OSError as err:
+        return AutoTokenizer.from_pretrained(resolve_base_path(str(name_or_path), "model"))
+    except (OSError, ValueError) as err:
+        if isinstance(err, BaseModelError):
+            raise
         raise BaseModelError(
             f"could not load a tokenizer for {name_or_path!r} ({str(err).splitlines()[0]}): pass a directory "
             "that holds tokenizer files, a cached Hub id, or a packaged alias"

@@ -10,21 +10,30 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..errors import CheckpointError
+from ..errors import BaseModelError, CheckpointError
+from .locate import locate, looks_like_path
 
 HEADS_WEIGHTS_NAME = "heads.safetensors"
 
 
 def resolve_checkpoint_dir(name_or_path: str | os.PathLike, hub_kwargs: dict) -> Path:
-    """A local directory, else a Hub snapshot of the repo id (one-line error when neither is found)."""
-    path = Path(name_or_path)
-    if path.is_dir():
+    """A local directory, else a Hub snapshot of the repo id (one-line error when neither is found; a repo that is
+    neither cached nor reachable, or not cached under `HF_HUB_OFFLINE`, fails before any Hub call)."""
+    path = Path(name_or_path).expanduser() if isinstance(name_or_path, (str, os.PathLike)) else None
+    if path is not None and path.is_dir():
         return path
-    if str(name_or_path).startswith((".", "/")) or path.exists():
+    if path is not None and (looks_like_path(str(name_or_path)) or path.exists()):
         raise CheckpointError(f"{name_or_path} is not a directory: pass the directory save_pretrained wrote")
     from huggingface_hub import snapshot_download
 
     allowed = {k: hub_kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in hub_kwargs}
+    if not allowed.get("local_files_only") and "cache_dir" not in allowed:
+        try:
+            kind, where = locate(name_or_path, "heads checkpoint", aliases=False)
+        except BaseModelError as err:
+            raise CheckpointError(str(err)) from None
+        if kind == "hub-cache":
+            return Path(where)
     try:
         return Path(snapshot_download(str(name_or_path), **allowed))
     except Exception as err:  # noqa: BLE001 - any Hub failure becomes one actionable line

@@ -5,11 +5,20 @@ exact p-best n-gram rescorer (KenLM; `kenlm` installs, builds and compiles its f
 neural rescorer (Alg. 2). Adding a rescorer is one module with one `@register_rescorer("name")` class.
 """
 
-from .base import (NO_RESCORER, HeadScoreRescorer, Rescorer, available_rescorers, register_rescorer,
-                   rescorer_class, resolve_rescorer)
-from .kenlm import build_ngram
-from .neural import NeuralRescorer
-from .ngram import NgramRescorer
+import importlib
+
+_LAZY = {"NO_RESCORER": "base", "HeadScoreRescorer": "base", "Rescorer": "base", "available_rescorers": "base",
+         "register_rescorer": "base", "rescorer_class": "base", "resolve_rescorer": "base", "build_ngram": "kenlm",
+         "NeuralRescorer": "neural", "NgramRescorer": "ngram"}
 
 __all__ = ["NO_RESCORER", "HeadScoreRescorer", "NeuralRescorer", "NgramRescorer", "Rescorer",
            "available_rescorers", "build_ngram", "register_rescorer", "rescorer_class", "resolve_rescorer"]
+
+
+def __getattr__(name: str):  # resolved on first use: `kenlm` (hf-bpd build-ngram's parser) needs no torch
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from ..errors import BPDConfigError
+from ..limits import MAX_DRAFT_TOP_K, MAX_RESCORING_WORK
 from ..lattice import Draft, Lattice
 
 _REGISTRY: dict[str, type[Rescorer]] = {}
@@ -26,6 +27,8 @@ class Rescorer:
     """
 
     name: ClassVar[str | None] = None  # set by `register_rescorer`
+    # Ceiling of `work(...)` (README "Errors and limits"): a call whose estimate exceeds it is refused up front.
+    max_work: ClassVar[int] = MAX_RESCORING_WORK  # 64 (draft_top_k) x 64 (num_drafts) x 4 heads
 
     @classmethod
     def for_model(cls, model) -> Rescorer:
@@ -43,6 +46,37 @@ class Rescorer:
 
     def reset(self) -> None:
         pass
+
+    def for_call(self) -> Rescorer:
+        """The rescorer one `generate()` call uses. A rescorer that keeps state between steps (a KV cache, ...)
+        returns a fresh copy that shares its weights, so concurrent calls on one model never share that state;
+        stateless rescorers return themselves."""
+        return self
+
+    def work(self, num_heads: int, top_k: int, num_drafts: int) -> int:
+        """Estimated cost of one `rescore` call on a `(num_heads, top_k)` lattice for `num_drafts` drafts, in the
+        units of `max_work`: lattice width x drafts x heads."""
+        return num_heads * top_k * num_drafts
+
+    def check_work(self, num_heads: int, top_k: int, num_drafts: int) -> None:
+        """Raise a one-line `WorkLimitError` when `work(...)` exceeds `max_work` (before any decoding)."""
+        from ..errors import WorkLimitError
+
+        if top_k > MAX_DRAFT_TOP_K:  # the search's cost grows faster than linearly in the width
+            raise WorkLimitError(f"draft_top_k={top_k} (the lattice width) is over the ceiling of {MAX_DRAFT_TOP_K}: "
+                                 "lower draft_top_k")
+        work, ceiling = self.work(num_heads, top_k, num_drafts), self.work_ceiling()
+        if work > ceiling:
+            label = self.name or type(self).__name__
+            raise WorkLimitError(f"rescoring cost draft_top_k x num_drafts x heads = {top_k} x {num_drafts} x "
+                                 f"{num_heads} = {work} is over the {label} rescorer's ceiling of {ceiling}"
+                                 f"{self.work_note()}: lower draft_top_k or num_drafts (or num_heads_to_use)")
+
+    def work_ceiling(self) -> int:
+        return self.max_work
+
+    def work_note(self) -> str:
+        return ""
 
     def check_compatible(self, model) -> None:
         """Raise a one-line `BPDError` if this rescorer cannot serve `model` (e.g. another vocabulary)."""

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import BPDConfigError, BPDError
-from ..hub.base_models import cache_dir
+from ..hub.locate import cache_dir
 
 SETUP_HINT = "run `bash install.sh` in the hf_bpd repository"
 BUILD_HINT = "build one with hf_bpd.build_ngram(...) or `python training/build_ngram.py`"
@@ -239,8 +239,17 @@ def build_ngram_from_ids(token_file, output_path, order: int = 4, prune=None, me
         os.replace(partial, output_path)
     info_path(output_path).unlink(missing_ok=True)
     write_info(output_path, order=order, ngram_counts=_arpa_counts(arpa_header), binary_type=binary_type,
-               quantize=quantize, prune=prune)
+               quantize=quantize, prune=prune, sha256=file_sha256(output_path))
     return output_path
+
+
+def file_sha256(path) -> str:
+    """Hex sha256 of a file (read in 16 MiB chunks): recorded when an n-gram is built or bundled, checked on load."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _arpa_counts(header: list[str]) -> list[int]:
@@ -279,8 +288,10 @@ def build_ngram(text_files_or_dataset, tokenizer, output_path, order: int = 4, p
         max_lines: stop after this many non-empty lines.
         strip_wiki_markup: drop WikiExtractor's `<doc ...>` / `</doc>` lines.
     Returns:
-        `output_path`. Beside it, `<output_path>.json` records the order, the n-gram counts per order, and the
-        lines and tokens read.
+        `output_path`. Beside it, `<output_path>.json` records the order, the n-gram counts per order, the lines
+        and tokens read, the tokenizer's size (`vocab_size`, checked against the base a rescorer serves) and the
+        binary's `sha256` (checked whenever the model is loaded, so a truncated or garbled file is an error, not a
+        crash inside KenLM).
     """
     _check_build_options(order, binary_type, quantize)  # fail before tokenising, not after
     output_path = Path(output_path)
@@ -292,7 +303,8 @@ def build_ngram(text_files_or_dataset, tokenizer, output_path, order: int = 4, p
         if tokens == 0:
             raise NgramError("no text to train the n-gram on: the input is empty")
         build_ngram_from_ids(corpus, output_path, order, prune, memory, discount_fallback, binary_type, quantize)
-    write_info(output_path, lines=lines, tokens=tokens, tokenizer=getattr(tokenizer, "name_or_path", None))
+    write_info(output_path, lines=lines, tokens=tokens, tokenizer=getattr(tokenizer, "name_or_path", None),
+               vocab_size=len(tokenizer))
     return output_path
 
 
@@ -308,18 +320,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-field", default="text", help="field of each JSON record holding the text")
     parser.add_argument("--order", type=int, default=4, help="n-gram order (2-5)")
     parser.add_argument("--prune", type=int, nargs="+", default=None, metavar="N",
-                        help="lmplz --prune count thresholds per order, e.g. 0 0 1")
+                        help="lmplz --prune count thresholds per order, e.g. 0 0 1 (default: no pruning)")
     parser.add_argument("--memory", default="1G", help="lmplz -S memory, e.g. 1G or 20%%")
-    parser.add_argument("--max-lines", type=int, default=None, help="use only the first N non-empty lines")
+    parser.add_argument("--max-lines", type=int, default=None, help="use only the first N non-empty lines (default: all)")
     parser.add_argument("--wikipedia", action="store_true", help="drop WikiExtractor <doc ...>/</doc> lines")
     parser.add_argument("--discount-fallback", action="store_true", help="lmplz --discount_fallback (tiny corpora)")
-    parser.add_argument("--binary-type", default="trie", choices=["trie", "probing"])
-    parser.add_argument("--quantize", type=int, default=None, metavar="BITS", help="trie quantisation, e.g. 8")
+    parser.add_argument("--binary-type", default="trie", choices=["trie", "probing"],
+                        help="KenLM binary layout: trie (small) or probing (fastest, larger)")
+    parser.add_argument("--quantize", type=int, default=None, metavar="BITS", help="trie quantisation, e.g. 8 (default: none)")
     parser.add_argument("--output", required=True, metavar="FILE.bin", help="the KenLM binary to write")
 
 
 def cmd_build_ngram(args: argparse.Namespace) -> int:
     from ..hub.base_models import load_tokenizer
+
+    _check_build_options(args.order, args.binary_type, args.quantize)  # fail before loading a tokenizer
+    for f in args.text:
+        if not Path(f).is_file():
+            raise NgramError(f"no text file {f}: pass existing .txt/.txt.gz/.json/.jsonl files with --text")
+    if args.max_lines is not None and args.max_lines < 1:
+        raise BPDConfigError(f"--max-lines must be >= 1, got {args.max_lines}")
+    if Path(args.output).is_dir():
+        raise BPDConfigError(f"--output {args.output} is a directory: pass a file name such as lm.bin")
 
     path = build_ngram(args.text, load_tokenizer(args.model), args.output, order=args.order, prune=args.prune,
                        memory=args.memory, discount_fallback=args.discount_fallback, binary_type=args.binary_type,
@@ -331,10 +353,10 @@ def cmd_build_ngram(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Add `build-ngram` to an `argparse` subparsers object (as `hf-bpd` does)."""
+def add_parser(subparsers, **kwargs) -> argparse.ArgumentParser:
+    """Add `build-ngram` to an `argparse` subparsers object (as `hf-bpd` does; `kwargs` go to `add_parser`)."""
     parser = subparsers.add_parser("build-ngram", help="train a KenLM n-gram over the base tokenizer's token ids",
-                                   description=build_ngram.__doc__.splitlines()[0])
+                                   description=build_ngram.__doc__.splitlines()[0], **kwargs)
     add_arguments(parser)
     parser.set_defaults(func=cmd_build_ngram)
     return parser

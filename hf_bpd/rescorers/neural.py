@@ -11,11 +11,14 @@ output embedding are multiplied with the last hidden state (never the whole voca
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
-from ..errors import BPDConfigError
+from ..errors import BPDConfigError, CheckpointError
 from ..lattice import Draft, Lattice
 from .base import Rescorer, register_rescorer
 
@@ -53,11 +56,23 @@ class NeuralRescorer(Rescorer):
         if type == "base_prefix":
             from peft import PeftModel
 
-            if not isinstance(num_layers, int):
+            if not isinstance(num_layers, int) or isinstance(num_layers, bool):
                 raise BPDConfigError("a base_prefix neural rescorer needs num_layers (the base layers it reuses)")
-            lm = PeftModel.from_pretrained(truncated_base(base_model, num_layers), path).merge_and_unload()
+            try:
+                with quiet_peft():
+                    lm = PeftModel.from_pretrained(truncated_base(base_model, num_layers), path).merge_and_unload()
+            except BPDConfigError:
+                raise
+            except Exception as err:  # noqa: BLE001 - peft / safetensors raise many kinds, with long messages
+                raise CheckpointError(f"the neural rescorer in {path} cannot be loaded ({type(err).__name__}: "
+                                     f"{_first_line(err)}): restore it or retrain it (training/train_rescorer.py)"
+                                     ) from None
         elif type == "model":
-            lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            try:
+                lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            except Exception as err:  # noqa: BLE001
+                raise CheckpointError(f"the neural rescorer in {path} cannot be loaded ({type(err).__name__}: "
+                                     f"{_first_line(err)}): restore it or retrain it") from None
         else:
             raise BPDConfigError(f"unknown neural rescorer type {type!r}: use 'base_prefix' or 'model'")
         return cls(lm, alpha=alpha)
@@ -71,6 +86,14 @@ class NeuralRescorer(Rescorer):
         if self.vocab_size != base_vocab:
             raise BPDConfigError(f"the neural rescorer's vocabulary ({self.vocab_size} tokens) differs from the base "
                                  f"model's ({base_vocab}): use a rescorer trained with the base tokenizer")
+
+    def for_call(self) -> "NeuralRescorer":
+        """A copy sharing this rescorer's LM with its own KV cache: each `generate()` call rescores with its own
+        state, so concurrent calls on one model cannot corrupt each other's cache."""
+        fresh = object.__new__(type(self))
+        fresh.__dict__.update(self.__dict__)
+        fresh.reset()
+        return fresh
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config.get_text_config(decoder=True))
@@ -151,3 +174,17 @@ def truncated_base(base: PreTrainedModel, num_layers: int) -> PreTrainedModel:
         raise BPDConfigError(f"cannot derive a rescorer from {type(base).__name__}: no weights for {missing[:2]}")
     small.load_state_dict({k: state[k] for k in small.state_dict()})
     return small.eval()
+
+
+def _first_line(err: Exception) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+@contextlib.contextmanager
+def quiet_peft():
+    """Silence the FutureWarning transformers prints when peft wraps a model (`is_gradient_checkpointing` is
+    deprecated): it is addressed to peft's maintainers, not to hf_bpd's users."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield

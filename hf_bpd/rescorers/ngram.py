@@ -15,20 +15,27 @@ same drafts. Models are built with `hf_bpd.build_ngram` (`hf-bpd build-ngram`).
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import warnings
 from pathlib import Path
 
 import torch
 
-from ..errors import BPDConfigError
+from ..errors import BPDConfigError, WorkLimitError
+from ..limits import PYTHON_NGRAM_MAX_TOP_K, PYTHON_NGRAM_MAX_WORK
 from ..lattice import Draft, Lattice
 from .base import Rescorer, register_rescorer
-from .kenlm import BUILD_HINT, SETUP_HINT, KenLMNotFoundError, NgramError, _load_python_model, _one_line, load_fast_path
+from .kenlm import (BUILD_HINT, SETUP_HINT, KenLMNotFoundError, NgramError, _load_python_model, _one_line, file_sha256,
+                    info_path, load_fast_path)
 from . import kenlm as _kenlm
 
 LN10 = math.log(10.0)
 _warned_python = False
+# The pure-Python search (used when the compiled one is not built) is far slower: its own ceilings (hf_bpd.limits).
+PYTHON_MAX_WORK = PYTHON_NGRAM_MAX_WORK
+PYTHON_MAX_TOP_K = PYTHON_NGRAM_MAX_TOP_K
+VOCAB_PADDING = 512  # a base's embedding rows may exceed its tokenizer's size by less than this
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -128,7 +135,7 @@ class NgramRescorer(Rescorer):
     """
 
     def __init__(self, path, alpha: float = 1.0, order: int | None = None, entropy_adaptive: bool = False,
-                 backend: str = "auto"):
+                 backend: str = "auto", sha256: str | None = None):
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0:
             raise BPDConfigError(f"alpha (the n-gram interpolation weight) must be a finite number >= 0, got {alpha!r}")
         if backend not in ("auto", "compiled", "python"):
@@ -136,6 +143,19 @@ class NgramRescorer(Rescorer):
         self.path = Path(path)
         if not self.path.is_file():
             raise NgramError(f"no n-gram model at {self.path}: {BUILD_HINT}")
+        self.info = _read_info(self.path)
+        # A truncated or garbled KenLM file can crash KenLM itself (measured: a segmentation fault in the pure-Python
+        # path), so a file whose digest was recorded (by build_ngram, or in a checkpoint's config.json) is checked
+        # before KenLM reads it.
+        expected = sha256 or self.info.get("sha256")
+        if expected:
+            actual = file_sha256(self.path)
+            if actual != expected:
+                source = "the checkpoint's config.json" if sha256 else info_path(self.path).name
+                raise NgramError(f"{self.path} is corrupt or was replaced: its sha256 {actual[:16]}... differs from "
+                                 f"{expected[:16]}... recorded in {source}: restore the file or rebuild it "
+                                 "(hf-bpd build-ngram)")
+        self.sha256 = expected
         self.alpha = float(alpha)
         self.entropy_adaptive = bool(entropy_adaptive)
         self._handle = self._model = None
@@ -167,17 +187,51 @@ class NgramRescorer(Rescorer):
         self.order = order
 
     @classmethod
-    def from_bundle(cls, base_model, path, alpha: float = 1.0, order: int | None = None, **fields) -> "NgramRescorer":
-        """A bundled n-gram: `rescorers/<file>` of a checkpoint, with its tuned `alpha` and `order`."""
-        return cls(path, alpha=alpha, order=order)
+    def from_bundle(cls, base_model, path, alpha: float = 1.0, order: int | None = None, sha256: str | None = None,
+                    vocab_size: int | None = None, **fields) -> "NgramRescorer":
+        """A bundled n-gram: `rescorers/<file>` of a checkpoint, with its tuned `alpha` and `order` (and, when
+        recorded, the file's `sha256` and the `vocab_size` of the tokenizer it was built with, both checked)."""
+        rescorer = cls(path, alpha=alpha, order=order, sha256=sha256)
+        if vocab_size is not None:
+            rescorer.info.setdefault("vocab_size", vocab_size)
+        rescorer.check_vocabulary(base_model.config.get_text_config().vocab_size)
+        return rescorer
+
+    def check_vocabulary(self, base_vocab: int) -> None:
+        """Raise `NgramError` when this n-gram was built with a tokenizer of another size than the base's."""
+        built = self.info.get("vocab_size")
+        # an embedding may be padded beyond its tokenizer (Qwen2.5: 151,665 tokens, 151,936 rows)
+        if built is not None and not 0 <= int(base_vocab) - int(built) < VOCAB_PADDING:
+            raise NgramError(f"{self.path} was built over a {built}-token tokenizer but the base model has "
+                             f"{base_vocab} tokens: build the n-gram with this base's tokenizer "
+                             "(hf-bpd build-ngram --model BASE)")
+
+    def check_compatible(self, model) -> None:
+        self.check_vocabulary(model.config.get_text_config().vocab_size)
+
+    def work_ceiling(self) -> int:
+        return self.max_work if self.backend == "compiled" else PYTHON_MAX_WORK
+
+    def work_note(self) -> str:
+        return "" if self.backend == "compiled" else (f" (the pure-Python n-gram search; the compiled one allows "
+                                                      f"{self.max_work}: {SETUP_HINT})")
+
+    def check_work(self, num_heads: int, top_k: int, num_drafts: int) -> None:
+        if self.backend != "compiled" and top_k > PYTHON_MAX_TOP_K:
+            raise WorkLimitError(f"draft_top_k={top_k} is over the pure-Python n-gram search's ceiling of "
+                                 f"{PYTHON_MAX_TOP_K}: lower draft_top_k, or build the compiled search ({SETUP_HINT})")
+        super().check_work(num_heads, top_k, num_drafts)
 
     def __del__(self):
-        if getattr(self, "_handle", None) and _kenlm._library is not None:
-            _kenlm._library.bpd_ngram_free(self._handle)
-            self._handle = None
+        try:
+            if getattr(self, "_handle", None) and _kenlm._library is not None:
+                _kenlm._library.bpd_ngram_free(self._handle)
+                self._handle = None
+        except Exception:  # noqa: BLE001 - at interpreter exit the module may already be torn down
+            pass
 
     def __reduce__(self):  # pickles as its arguments: the KenLM model is loaded again
-        return NgramRescorer, (self.path, self.alpha, self.order, self.entropy_adaptive, self.backend)
+        return NgramRescorer, (self.path, self.alpha, self.order, self.entropy_adaptive, self.backend, self.sha256)
 
     def __repr__(self) -> str:
         return (f"NgramRescorer({str(self.path)!r}, alpha={self.alpha}, order={self.order}, "
@@ -202,6 +256,7 @@ class NgramRescorer(Rescorer):
         if h == 0 or k == 0:
             return []
         num_drafts = min(num_drafts, k**h)  # no more paths than the lattice has
+        self.check_work(h, k, num_drafts)  # bounded time and memory, whoever calls (generate checks up front)
         keep = self.order - 1
         history = [int(t) for t in context[max(len(context) - keep, 0):]]
         weights = self.head_weights(lattice)
@@ -214,3 +269,17 @@ class NgramRescorer(Rescorer):
         rows = lattice.tokens.tolist()
         return [Draft(tuple(rows[i][r] for i, r in enumerate(ranks)), score) for ranks, score in best]
 
+
+
+def _read_info(path: Path) -> dict:
+    """The JSON `build_ngram` writes beside a model (order, counts, sha256, vocab_size), or {} if absent."""
+    info = info_path(path)
+    if not info.is_file():
+        return {}
+    try:
+        data = json.loads(info.read_text())
+    except (ValueError, OSError) as err:
+        raise NgramError(f"{info} is not valid JSON ({_one_line(err)}): delete it or rebuild the n-gram") from None
+    if not isinstance(data, dict):
+        raise NgramError(f"{info} must hold a JSON object: delete it or rebuild the n-gram")
+    return data

@@ -191,16 +191,19 @@ class HeadsOnHiddenStates(nn.Module):
     """Trains `model.heads` on cached base hidden states: `forward(hidden, labels)` -> BPD loss (App. C.1).
 
     Head `i` (0-based) at position `t` is trained on `labels[t + 2 + i]`; losses are weighted by the config's λ_h.
+    `soft_weight` / `temperature`: soft targets (the base's distribution at `t + 1 + i`, see `DraftHeads.loss`).
     """
 
-    def __init__(self, model):
+    def __init__(self, model, soft_weight: float = 0.0, temperature: float = 1.0):
         super().__init__()
         self.heads = model.heads
         self.weights = list(model.config.head_loss_weights)
+        self.soft_weight, self.temperature = soft_weight, temperature
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, return_stats: bool = False):
         hidden = hidden.to(next(self.heads.parameters()).dtype)
-        return self.heads.loss(hidden, labels, self.weights, return_stats=return_stats)
+        return self.heads.loss(hidden, labels, self.weights, return_stats=return_stats,
+                               soft_weight=self.soft_weight, temperature=self.temperature)
 
 
 @torch.no_grad()

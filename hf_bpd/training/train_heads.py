@@ -1,18 +1,6 @@
-"""Train BPD drafting heads with Accelerate (and optionally LoRA in the base through peft).
+"""Train BPD drafting heads with Accelerate, and optionally LoRA in the base through peft (usage and options:
+`hf_bpd.training.arguments`)."""
 
-    accelerate launch training/train_heads.py --model smollm2-135m-instruct --data data/distilled.jsonl \
-        --num-heads 4 --draft-vocab-size 16384 --epochs 2 --output-dir checkpoints/my-heads
-    python training/train_heads.py ...            # the same on one CPU process
-
-Frozen base (default, Medusa-1 / the paper's setting): base hidden states are cached once and only the heads train.
-`--lora-base q_proj,v_proj`: Medusa-2 style, LoRA in the base trained jointly with the heads; the base's own
-next-token loss (`--base-loss-weight`) or a KL to the frozen base (`--kl-weight`, via peft's adapter disabling) keeps
-its outputs from drifting. `--resume` continues from the last `accelerator.save_state` checkpoint without losing a
-step. Data: ShareGPT/Vicuna JSON(L) (`conversations`) or Alpaca records, rendered with the chat template, loss on
-assistant tokens only.
-"""
-
-import argparse
 import json
 import math
 import os
@@ -26,6 +14,7 @@ from datasets import load_dataset
 from torch.utils.data import DataLoader, Sampler
 
 import hf_bpd
+from .arguments import parse_args
 from .lora import save_base_adapter
 from .hidden_states import (HeadsOnHiddenStates, build_examples, cache_hidden_states,
                              choose_draft_vocab, collate_cached, head_accuracy, latest_checkpoint,
@@ -44,50 +33,6 @@ def keep_log_until(path: Path, step: int) -> None:
         except (ValueError, KeyError, TypeError):
             continue
     path.write_text("".join(line + "\n" for line in kept))
-
-
-def parse_args(argv=None, prog=None):
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct", help="base model (alias, directory, Hub id)")
-    p.add_argument("--init-from", help="continue training the heads of this BPD checkpoint")
-    p.add_argument("--data", nargs="+", required=True, help="ShareGPT/Alpaca JSON or JSONL files")
-    p.add_argument("--targets", default="data", choices=["data", "base"],
-                   help="train on the data's tokens, or on the base's own greedy predictions along the data "
-                        "(teacher-forced self-distillation; frozen-base mode)")
-    p.add_argument("--eval-fraction", type=float, default=0.02)
-    p.add_argument("--max-examples", type=int, default=None)
-    p.add_argument("--max-length", type=int, default=768)
-    p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--head-type", default="resblock", choices=["resblock", "ffn"])
-    p.add_argument("--num-layers-per-head", type=int, default=1)
-    p.add_argument("--head-intermediate-size", type=int, default=None,
-                   help="hidden width of an ffn head (default: the base's hidden size)")
-    p.add_argument("--own-projection", action="store_true", help="heads own their output projection")
-    p.add_argument("--draft-vocab-size", type=int, default=None, help="score only the N most frequent tokens")
-    p.add_argument("--head-loss-weights", default=None, help="comma-separated λ_h, e.g. 1,0.8,0.6,0.4")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--epochs", type=float, default=1.0)
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--save-steps", type=int, default=200)
-    p.add_argument("--log-steps", type=int, default=10)
-    p.add_argument("--output-dir", required=True)
-    p.add_argument("--cache-dir", default=None,
-                   help="keep the base hidden states here (safetensors shards, per example) and reuse them in later "
-                        "runs on the same base and targets: only examples not seen before run the base (frozen-base "
-                        "mode)")
-    p.add_argument("--resume", action="store_true", help="continue from output-dir/state")
-    p.add_argument("--lora-base", default=None, help="comma-separated base modules for LoRA (Medusa-2 mode)")
-    p.add_argument("--lora-r", type=int, default=8)
-    p.add_argument("--base-loss-weight", type=float, default=1.0, help="LoRA mode: weight of the base's own loss")
-    p.add_argument("--kl-weight", type=float, default=0.0, help="LoRA mode: KL(frozen base || adapted base)")
-    p.add_argument("--push-to-hub", default=None, help="repo id to upload the checkpoint to")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
-    return p.parse_args(argv)
 
 
 class EpochBatches(Sampler):
@@ -132,6 +77,14 @@ def collate_tokens(pad_id):
 
 def main(argv=None, prog=None):
     args = parse_args(argv, prog)
+    missing = [f for f in args.data if not os.path.isfile(f)]
+    if missing:  # before any model or dataset is loaded
+        raise SystemExit(f"train_heads: --data: no file {missing[0]}: pass existing ShareGPT/Alpaca JSON or JSONL "
+                         "files")
+    if not 0.0 <= args.soft_target_weight <= 1.0 or args.soft_target_temperature <= 0:
+        raise SystemExit("train_heads: --soft-target-weight must be in [0, 1] and --soft-target-temperature > 0")
+    if args.soft_target_weight > 0 and args.lora_base:
+        raise SystemExit("train_heads: --soft-target-weight needs the frozen-base mode (drop --lora-base)")
     if args.threads:
         torch.set_num_threads(args.threads)
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum)
@@ -181,7 +134,7 @@ def main(argv=None, prog=None):
         model.freeze_base()
         dataset = cache_hidden_states(model, train_examples, targets=args.targets, cache_dir=args.cache_dir)
         eval_data = cache_hidden_states(model, eval_examples, targets=args.targets, cache_dir=args.cache_dir)
-        trainable = HeadsOnHiddenStates(model)
+        trainable = HeadsOnHiddenStates(model, args.soft_target_weight, args.soft_target_temperature)
         collate = collate_cached
 
     sampler = EpochBatches(len(dataset), args.batch_size, args.seed)
@@ -274,7 +227,9 @@ def main(argv=None, prog=None):
         training = {"data": [os.path.basename(d) for d in args.data], "examples": len(train_examples),
                     "tokens": sum(len(e["input_ids"]) for e in train_examples), "steps": step,
                     "lr": args.lr, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
-                    "epochs": args.epochs, "targets": args.targets, "mode": "lora-base" if lora else "frozen base (cached hidden states)",
+                    "epochs": args.epochs, "targets": args.targets, "head_type": model.config.head_type,
+                    "soft_target_weight": args.soft_target_weight,
+                    "soft_target_temperature": args.soft_target_temperature, "mode": "lora-base" if lora else "frozen base (cached hidden states)",
                     "minutes": round(minutes, 1), "eval_head_accuracy": accuracy}
         out.mkdir(parents=True, exist_ok=True)
         (out / "training.json").write_text(json.dumps(training, indent=2))

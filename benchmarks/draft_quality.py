@@ -1,0 +1,134 @@
+"""Compare heads checkpoints by the block efficiency their drafts would reach, on the same prompts and references.
+
+    python benchmarks/draft_quality.py --checkpoints checkpoints/smollm2-135m-instruct-bpd /tmp/heads-a /tmp/heads-b \
+        --questions benchmarks/dev_prompts.jsonl --max-new-tokens 256 \
+        --references benchmarks/results/dev_references_256.jsonl --output benchmarks/results/draft_quality.json
+
+The base's greedy continuation of every prompt (eager `generate()`, the chat template) is computed once and kept in
+`--references` (token ids; reused by later runs with the same prompts and length). Every checkpoint is then analysed
+teacher-forced along those references (`hf_bpd.evaluation.analysis.analyze_prompt`): one base forward per prompt,
+the heads on every position. Greedy decoding is exact, so the accepted lengths are the ones `generate()` would see:
+vanilla BPD (the heads' argmax; sequential heads read the reference's tokens, which is what they read whenever their
+draft can count), the n-gram rescorer's drafts (`--rescorer-from`: a checkpoint whose bundled 4-gram and alpha are
+used for every checkpoint, so heads are compared under the same rescorer), and the oracle over the top-k lattice.
+Timing-free: the figures do not depend on the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+import hf_bpd
+from hf_bpd.evaluation import analysis
+from hf_bpd.evaluation.bench import encode_messages, load_questions
+
+
+def references(base, tokenizer, questions, max_new_tokens: int, path: Path | None) -> dict[str, list[int]]:
+    """`{prompt id: prompt + greedy continuation token ids}`, read from / added to `path` (JSONL)."""
+    stored = {}
+    if path is not None and path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if row["max_new_tokens"] == max_new_tokens:
+                stored[row["id"]] = row["ids"]
+    for q in questions:
+        key = str(q["id"])
+        if key in stored:
+            continue
+        inputs = encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], None)
+        with torch.no_grad():
+            out = base.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        stored[key] = out[0].tolist()
+        if path is not None:
+            with path.open("a") as f:
+                f.write(json.dumps({"id": key, "max_new_tokens": max_new_tokens,
+                                    "prompt_tokens": inputs["input_ids"].shape[1], "ids": stored[key]}) + "\n")
+        print(f"reference {key}: {len(stored[key]) - inputs['input_ids'].shape[1]} tokens", flush=True)
+    return stored
+
+
+def decoded(model, tokenizer, questions, refs, rescorer, max_new_tokens: int) -> dict:
+    """Block efficiency of eager `generate(rescorer=...)` (the checkpoint's heads in use) over the prompts, and how
+    many outputs equal the reference."""
+    tokens = calls = exact = 0
+    for q in questions:
+        inputs = encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], None)
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, rescorer=rescorer,
+                             num_heads_to_use=model.config.num_heads, compile=False, prompt_lookup=False,
+                             draft_schedule="fixed")
+        stats = model.last_generation_stats
+        tokens += stats.new_tokens
+        calls += stats.serial_calls
+        exact += out[0].tolist() == refs[str(q["id"])]
+    return {"block_efficiency": tokens / max(calls, 1), "exact": exact}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoints", nargs="+", required=True, help="heads checkpoint directories (same base)")
+    p.add_argument("--questions", default="benchmarks/dev_prompts.jsonl")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--stride", type=int, default=1, help="every N-th question (a spread subset)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--references", default=None, help="JSONL cache of the base's greedy continuations")
+    p.add_argument("--rescorer-from", default="checkpoints/smollm2-135m-instruct-bpd",
+                   help="checkpoint whose bundled n-gram rescorer scores every checkpoint's lattice ('' for none)")
+    p.add_argument("--num-heads", default=None, help="comma-separated head counts to analyse, e.g. 3,4 (default: all)")
+    p.add_argument("--top-k", default="1,4,16")
+    p.add_argument("--generate", action="store_true",
+                   help="also decode with the n-gram rescorer (eager generate()): the rescored block efficiency as "
+                        "decoding sees it (for sequential heads the analysis' rescored/oracle figures are upper "
+                        "bounds: their lattice is conditioned on the reference's tokens)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--output", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    questions = load_questions(args.questions)[:: args.stride][: args.limit]
+    first = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.checkpoints[0])
+    base, tokenizer = first.base_lm, hf_bpd.load_tokenizer(args.checkpoints[0])
+    refs = references(base, tokenizer, questions, args.max_new_tokens,
+                      Path(args.references) if args.references else None)
+    rescorer = None
+    if args.rescorer_from:
+        donor = first if args.rescorer_from == args.checkpoints[0] else \
+            hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.rescorer_from, base_model=base)
+        rescorer = donor.bundled_rescorers.get("ngram")
+    top_ks = [int(k) for k in args.top_k.split(",")]
+    rows = []
+    for path in args.checkpoints:
+        model = first if path == args.checkpoints[0] else \
+            hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(path, base_model=base)
+        all_heads = model.config.num_heads
+        for num_heads in sorted({int(h) for h in args.num_heads.split(",")} if args.num_heads else {all_heads}):
+            model.config.num_heads = min(num_heads, all_heads)
+            records = []
+            for q in questions:
+                ids = torch.tensor([refs[str(q["id"])]])
+                n = encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], None)["input_ids"].shape[1]
+                records.append(analysis.analyze_prompt(model, ids[:, :n], args.max_new_tokens, top_ks, rescorer,
+                                                       prompt_id=str(q["id"]), category=q.get("category", ""),
+                                                       reference=ids))
+            summary = analysis.summarize_by_category(records)
+            rows.append({"checkpoint": path, "head_type": model.config.head_type, "num_heads": model.config.num_heads,
+                         "summary": summary})
+            s = summary["all"]
+            if args.generate and rescorer is not None:  # the rescored drafts as generate() really makes them
+                s["generated"] = decoded(model, tokenizer, questions, refs, rescorer, args.max_new_tokens)
+                print(f"  generate(rescorer=ngram): block efficiency {s['generated']['block_efficiency']:.3f}, "
+                      f"{s['generated']['exact']}/{len(questions)} equal to the reference", flush=True)
+            rescored = s.get("rescored", {}).get("block_efficiency", float("nan"))
+            print(f"{path} ({model.config.head_type}, {model.config.num_heads} heads): vanilla "
+                  f"{s['vanilla']['block_efficiency']:.3f}  + n-gram {rescored:.3f}  oracle "
+                  + " ".join(f"top-{k} {v:.3f}" for k, v in s["oracle_block_efficiency"].items()), flush=True)
+        model.config.num_heads = all_heads
+    if args.output:
+        Path(args.output).write_text(json.dumps({"settings": vars(args), "results": rows}, indent=1))
+        print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
