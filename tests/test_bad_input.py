@@ -358,7 +358,7 @@ def test_light_copies_of_names_agree_with_their_sources():
     from hf_bpd import cli, limits
     from hf_bpd.evaluation.bench import DEFAULT_METHODS
     from hf_bpd.generation.budget import SCHEDULES
-    from hf_bpd.generation.config import SCHEDULE_NAMES
+    from hf_bpd.generation.config import SCHEDULES as SCHEDULE_NAMES
     from hf_bpd.generation.tree import MAX_TREE_NODES
     from hf_bpd.hub.base_models import PACKAGED_MODELS
     from hf_bpd.hub.locate import PACKAGED_ALIASES

@@ -21,8 +21,8 @@ import weakref
 import torch
 
 from ..errors import BPDConfigError
+from .config import SCHEDULES  # noqa: F401 - re-exported
 
-SCHEDULES = ("fixed", "cost")
 # Prompt lookup's per-token acceptance rates when the checkpoint has no measured ones (`hf-bpd calibrate` measures
 # them); only their order against the heads' rates matters for `best_first_nodes`.
 DEFAULT_LOOKUP_RATES = [0.5, 0.7]

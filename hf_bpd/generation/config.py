@@ -32,7 +32,7 @@ DRAFTING_DEFAULTS = {"rescorer": None, "draft_top_k": None, "num_drafts": 1, "nu
                      "prompt_lookup": False, "draft_schedule": "fixed"}
 DRAFTING_OPTIONS = tuple(DRAFTING_DEFAULTS)
 
-SCHEDULE_NAMES = ("fixed", "cost")  # = budget.SCHEDULES (checked there too); kept here so validation stays light
+SCHEDULES = ("fixed", "cost")  # draft_schedule values (`hf_bpd.generation.budget`)
 
 
 class BlockwiseGenerationConfig(GenerationConfig):
@@ -137,8 +137,8 @@ def validate_drafting_values(values: dict, where: str = "") -> dict:
         out["num_drafts"] = _int_value("num_drafts", out["num_drafts"], 1, MAX_NUM_DRAFTS, where)
     if out.get("num_heads_to_use") is not None:
         out["num_heads_to_use"] = _int_value("num_heads_to_use", out["num_heads_to_use"], 1, None, where)
-    if "draft_schedule" in out and out["draft_schedule"] not in SCHEDULE_NAMES:
-        raise BPDConfigError(f"{where}draft_schedule must be one of {', '.join(map(repr, SCHEDULE_NAMES))}, got "
+    if "draft_schedule" in out and out["draft_schedule"] not in SCHEDULES:
+        raise BPDConfigError(f"{where}draft_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got "
                              f"{out['draft_schedule']!r}: pass draft_schedule='fixed' (every drafted token) or "
                              "'cost'")
     rescorer = out.get("rescorer")

@@ -30,7 +30,7 @@ from ..errors import BPDConfigError, BPDTypeError, InputError, WorkLimitError
 from ..limits import MAX_COST_SCHEDULE_BLOCK
 from ..rescorers.base import HeadScoreRescorer, resolve_rescorer
 from .budget import SCHEDULES, DraftBudget, HeadCalibration, eager_costs
-from .config import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS, DraftingOptions
+from .config import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS, DraftingOptions, _int_value
 from .drafting import BlockDrafter, NoDrafter
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import StopGuard
@@ -47,15 +47,6 @@ class DecodingPlan:
     streamer: BaseStreamer | None = None
     compile: bool = False  # verify with the compiled step on a static cache (`hf_bpd.generation.verify`)
     schedule: str = "fixed"  # "cost": verify only the drafted tokens that pay (`hf_bpd.generation.budget`)
-
-
-def _int_option(name: str, value, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BPDTypeError(f"{name} must be an integer in [{low}, {high}], got {value!r} ({type(value).__name__})")
-    if not low <= value <= high:
-        raise BPDConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}: pass a value in that "
-                             "range")
-    return value
 
 
 def max_positions(base) -> int | None:
@@ -107,19 +98,16 @@ def check_inputs(model, input_ids, generation_config, kwargs: dict) -> None:
                          "pass the mask the tokenizer returned with these ids")
     config = generation_config if generation_config is not None else model.generation_config
     prompt = input_ids.shape[1]
-    if "max_new_tokens" in kwargs or ("max_length" not in kwargs and config.max_new_tokens is not None):
-        new = kwargs.get("max_new_tokens", config.max_new_tokens)
-        if new is not None:
-            new = _length_option("max_new_tokens", new)
-            if new < 1:
-                raise InputError(f"max_new_tokens must be an integer >= 1, got {new}")
-            total, asked = prompt + new, f"the prompt ({prompt} tokens) + max_new_tokens ({new})"
-            fix = "lower max_new_tokens to {room}"
-        else:
-            total = None
+    # transformers' precedence: max_new_tokens (per call, else the config's unless max_length is passed), else
+    # max_length
+    new = kwargs.get("max_new_tokens", None if "max_length" in kwargs else config.max_new_tokens)
+    if new is not None:
+        new = _length_option("max_new_tokens", new)
+        if new < 1:
+            raise InputError(f"max_new_tokens must be an integer >= 1, got {new}")
+        total, asked = prompt + new, f"the prompt ({prompt} tokens) + max_new_tokens ({new})"
+        fix = "lower max_new_tokens to {room}"
     else:
-        total = None
-    if total is None:
         length = _length_option("max_length", kwargs.get("max_length", config.max_length))
         total, asked = length, f"max_length ({length})"
         fix = "lower max_length to {limit} (or pass max_new_tokens <= {room})"
@@ -138,9 +126,9 @@ def plan_drafting(model, options: DraftingOptions) -> DecodingPlan:
     """Validate the drafting options of one call (one-line `BPDConfigError`s) and build its drafter."""
     config = model.config
     n = config.num_heads if options.num_heads_to_use is None else options.num_heads_to_use
-    n = _int_option("num_heads_to_use", n, 1, config.num_heads)
+    n = _int_value("num_heads_to_use", n, 1, config.num_heads)
     vocab = config.draft_size
-    num_drafts = _int_option("num_drafts", options.num_drafts, 1, MAX_NUM_DRAFTS)
+    num_drafts = _int_value("num_drafts", options.num_drafts, 1, MAX_NUM_DRAFTS)
     if options.tree is None and num_drafts * n > MAX_DRAFT_NODES:
         raise WorkLimitError(f"num_drafts x heads = {num_drafts} x {n} = {num_drafts * n} draft tokens per "
                              f"verification, over the ceiling of {MAX_DRAFT_NODES}: pass num_drafts <= "
@@ -151,11 +139,10 @@ def plan_drafting(model, options: DraftingOptions) -> DecodingPlan:
     top_k = options.draft_top_k
     if top_k is None:
         top_k = 1 if plain else min(16, vocab)
-    top_k = _int_option("draft_top_k", top_k, 1, min(MAX_DRAFT_TOP_K, vocab))
+    top_k = _int_value("draft_top_k", top_k, 1, min(MAX_DRAFT_TOP_K, vocab))
     if choices is not None:
-        widest = 1 + max(r for c in choices for r in c)
-        if widest > min(MAX_DRAFT_TOP_K, vocab):
-            limit = min(MAX_DRAFT_TOP_K, vocab)
+        widest, limit = 1 + max(r for c in choices for r in c), min(MAX_DRAFT_TOP_K, vocab)
+        if widest > limit:
             why = f"the {vocab}-token draft vocabulary" if vocab < MAX_DRAFT_TOP_K else "the lattice width ceiling"
             raise BPDConfigError(f"tree ranks reach {widest - 1}, but ranks must be < {limit} ({why}): use smaller "
                                  "ranks")

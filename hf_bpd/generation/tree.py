@@ -14,8 +14,9 @@ import math
 import torch
 
 from ..errors import BPDConfigError
+from ..limits import MAX_DRAFT_NODES
 
-MAX_TREE_NODES = 256  # tokens in one verification pass
+MAX_TREE_NODES = MAX_DRAFT_NODES  # tokens in one verification pass (hf_bpd.limits)
 
 
 def sparse_tree(widths: tuple[int, ...] | list[int]) -> list[tuple[int, ...]]:
