@@ -3,7 +3,7 @@
 
 Subcommands: `generate` (one prompt, with statistics), `bench` (decoding methods side by side on a prompt file,
 `hf_bpd.evaluation.bench`), `analyze` (the paper's Section 6 analyses of block drafts, `hf_bpd.evaluation.analysis`),
-`build-ngram`, `tune-alpha`, `calibrate`, `profile`, `train`.
+`build-ngram`, `tune-alpha`, `calibrate`, `profile`, `export` (heads to vLLM's Medusa format), `train`.
 
 Start-up imports nothing heavy: the parser, `--help` and the checks of flags, files and model names run before
 torch and transformers are imported (measured: `hf-bpd generate --help` 4.9 s -> 0.2 s), and every flag is checked
@@ -30,6 +30,7 @@ RESCORER_NAMES = ("neural", "ngram")
 BENCH_DEFAULT_METHODS = ("ar", "pld", "early-exit", "bpd", "bpd+ngram", "bpd+neural", "pbest", "pbest-ngram", "tree",
                          "tree+ngram", "default")
 DTYPES = ("float32", "bfloat16", "float16")
+DEVICE_HELP = "where the model runs: cpu, cuda, cuda:N, mps, or auto (transformers' device_map='auto')"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,18 +62,47 @@ def _debug_flag(parser) -> None:
                         help="show the full traceback of an error instead of one line (also: HF_BPD_DEBUG=1)")
 
 
-def load_for_generation(name_or_path: str, dtype: str = "float32"):
-    """`(model, tokenizer)` for a heads checkpoint directory (with its base) or a plain base model name."""
+def _check_device(device: str) -> None:
+    """`--device`: its form before any import, then (after torch is imported) that this machine has it."""
+    import re
+
+    if not re.fullmatch(r"cpu|auto|mps|(cuda|xpu)(:\d{1,2})?", device):
+        raise ValueError(f"--device must be cpu, cuda, cuda:N, mps or auto, got {device[:40]!r}")
+    if "torch" not in sys.modules:
+        return
     import torch
 
-    from .hub.base_models import load_base, load_tokenizer
+    kind = device.partition(":")[0]
+    available = {"cpu": True, "auto": True, "cuda": torch.cuda.is_available(),
+                 "mps": torch.backends.mps.is_available(), "xpu": hasattr(torch, "xpu") and torch.xpu.is_available()}
+    if not available[kind]:
+        raise ValueError(f"--device {device}: torch {torch.__version__} sees no {kind} device here: use --device cpu")
+    if kind in ("cuda", "xpu") and ":" in device and int(device.partition(":")[2]) >= getattr(torch, kind).device_count():
+        raise ValueError(f"--device {device}: only {getattr(torch, kind).device_count()} {kind} device(s) here")
+
+
+def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
+    """A heads checkpoint directory (with its base) or a plain base model, in `dtype` on `device` (`"auto"`:
+    transformers' `device_map="auto"`)."""
+    import torch
+
+    from .hub.base_models import load_base_model
     from .modeling import BlockwiseParallelForCausalLM
 
-    torch_dtype = getattr(torch, dtype)
+    _check_device(device)
+    options = {"dtype": getattr(torch, dtype)}
+    if device != "cpu":
+        options["device_map"] = device
     if _is_heads_checkpoint(name_or_path):
-        model = BlockwiseParallelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype)
-        return model, load_tokenizer(name_or_path)
-    return load_base(name_or_path, dtype=torch_dtype)
+        return BlockwiseParallelForCausalLM.from_pretrained(name_or_path, **options)
+    return load_base_model(name_or_path, **options)
+
+
+def load_for_generation(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
+    """`(model, tokenizer)`: `load_model` and the tokenizer (a checkpoint's is its base's)."""
+    from .hub.base_models import load_tokenizer
+
+    return load_model(name_or_path, dtype, device), load_tokenizer(name_or_path)
 
 
 def _is_heads_checkpoint(name_or_path: str) -> bool:
@@ -176,13 +206,13 @@ def cmd_generate(args) -> int:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model, tokenizer = load_for_generation(args.model, args.dtype)
+    model, tokenizer = load_for_generation(args.model, args.dtype, args.device)
     has_heads = hasattr(model, "heads")
     options = _draft_options(args) if has_heads else {}
     if not has_heads and (args.rescorer or args.tree or args.num_drafts or args.draft_top_k or args.num_heads_to_use
                           or args.prompt_lookup is not None or args.draft_schedule):
         raise ValueError(f"{args.model} is a plain base model: drafting options need a heads checkpoint")
-    inputs = _encode(tokenizer, args.prompt, args.chat)
+    inputs = _encode(tokenizer, args.prompt, args.chat).to(model.device)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
     if args.do_sample:
         kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
@@ -303,7 +333,7 @@ def _setup(args):
     torch.manual_seed(args.seed)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    return load_for_generation(args.model, args.dtype)
+    return load_for_generation(args.model, args.dtype, args.device)
 
 
 def cmd_bench(args) -> int:
@@ -418,6 +448,7 @@ def _add_common(p, model_default: str | None = "smollm2-135m-instruct", question
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype")
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--output", metavar="FILE.json", help="write every figure as JSON (default: none)")
     if plot:
         p.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR (default: none)")
@@ -465,7 +496,7 @@ def cmd_tune_alpha(args) -> int:
         raise ValueError(f"{args.model} bundles no {args.rescorer} rescorer")
     from .evaluation.bench import encode_messages
 
-    prompts = [encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], args.chat)["input_ids"]
+    prompts = [encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], args.chat, model.device)["input_ids"]
                for q in questions]
     grid = grid or ALPHA_GRID
     result = tune_alpha(model, rescorer, prompts, args.max_new_tokens, grid, args.draft_top_k)
@@ -495,6 +526,29 @@ def cmd_tune_alpha(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    if not _is_heads_checkpoint(args.checkpoint):
+        raise ValueError(f"{args.checkpoint} is not a heads checkpoint directory (no config.json with model_type "
+                         "blockwise_parallel): pass a directory written by save_pretrained or train_heads")
+    head_type = json.loads((Path(args.checkpoint) / "config.json").read_text()).get("head_type")
+    if head_type != "resblock":  # refused before the base is loaded (the same check as export_heads')
+        raise ValueError(f"{head_type} heads cannot be exported to vLLM's Medusa format, which has only residual "
+                         "x + SiLU(W x) blocks: train heads with --head-type resblock to serve them with vLLM")
+    if Path(args.output).exists() and not Path(args.output).is_dir():
+        raise ValueError(f"--output {args.output} is a file: pass a directory")
+    import torch
+
+    from .hub.export import export_heads
+    from .modeling import BlockwiseParallelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    model = BlockwiseParallelForCausalLM.from_pretrained(args.checkpoint)
+    out = export_heads(model, args.output, args.format)
+    print(f"wrote {args.format} heads ({model.config.num_heads} heads, draft vocabulary {model.config.draft_size}) "
+          f"to {out}")
+    return 0
+
+
 def cmd_calibrate(args) -> int:
     from .evaluation.bench import encode_messages
     from .evaluation.calibration import calibrate, reliability_table
@@ -510,7 +564,7 @@ def cmd_calibrate(args) -> int:
     model, tokenizer = _setup(args)
     if not hasattr(model, "heads"):
         raise ValueError(f"{args.model} is a plain base model: calibrate a heads checkpoint")
-    prompts = [encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], args.chat) for q in questions]
+    prompts = [encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], args.chat, model.device) for q in questions]
     options = {} if args.rescorer is None else {"rescorer": args.rescorer}
     calibration, records = calibrate(model, prompts, args.max_new_tokens, args.bins, **options)
     print(reliability_table(calibration, records), end="")
@@ -570,16 +624,10 @@ def cmd_profile(args) -> int:
     _locate(args.model)
     import torch
 
-    from .hub.base_models import load_base_model
-
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    if _is_heads_checkpoint(args.model):
-        from .modeling import BlockwiseParallelForCausalLM
-
-        base = BlockwiseParallelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).base_lm
-    else:
-        base = load_base_model(args.model, dtype=getattr(torch, args.dtype)).eval()
+    model = load_model(args.model, args.dtype, args.device)
+    base = getattr(model, "base_lm", model).eval()
     costs = cost.measure_costs(base, lengths, compiled=not args.no_compile, past=args.past)
     print(cost.cost_table(costs), end="")
     print(f"stored {cost.save_costs(base, costs)}")
@@ -642,6 +690,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="random seed")
     gen.add_argument("--threads", type=int, default=2, help="torch threads")
     gen.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype")
+    gen.add_argument("--device", default="cpu", help=DEVICE_HELP)
     gen.add_argument("--no-heads", action="store_true", help="plain decoding with the base model")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     gen.add_argument("--rescorer", choices=["none", *RESCORER_NAMES], default=None,
@@ -727,6 +776,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--threads", type=int, default=2, help="torch threads")
     prof.add_argument("--seed", type=int, default=0, help="random seed")
     prof.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype")
+    prof.add_argument("--device", default="cpu", help=DEVICE_HELP)
     prof.add_argument("--output", metavar="FILE.json", help="also write the table as JSON (default: none)")
     prof.set_defaults(func=cmd_profile)
 
@@ -762,6 +812,17 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--save", action="store_true", help="store the chosen α in the checkpoint config")
     tune.set_defaults(func=cmd_tune_alpha)
 
+    export = command(
+        "export", "write trained heads in a serving engine's format (vLLM's Medusa draft model)",
+        "Writes the checkpoint's heads as a vLLM Medusa draft model (config.json + model.safetensors): resblock heads "
+        "only (FFN and hydra heads have no Medusa form and are refused). Serve with vLLM's speculative decoding, "
+        "method 'medusa', model=OUTPUT (README \"Serve with vLLM\").")
+    export.add_argument("checkpoint", help="heads checkpoint directory")
+    export.add_argument("--format", default="vllm-medusa", choices=["vllm-medusa"], help="export format")
+    export.add_argument("--output", required=True, metavar="DIR", help="directory to write (required)")
+    export.add_argument("--threads", type=int, default=2, help="torch threads")
+    export.set_defaults(func=cmd_export)
+
     train = sub.add_parser("train", help="train heads: runs hf_bpd.training.train_heads (training/train_heads.py; see "
                                          "its --help)", add_help=False)
     train.set_defaults(func=cmd_train)
@@ -784,7 +845,13 @@ def main(argv: list[str] | None = None) -> int:
             debug, rest = True, [a for a in rest if a != "--debug"]
         return _run(lambda: cmd_train(None, rest), debug)
     args = build_parser().parse_args(argv)
-    return _run(lambda: args.func(args), debug or getattr(args, "debug", False))
+
+    def command():
+        if getattr(args, "device", None) is not None:
+            _check_device(args.device)  # its form, before any import or model load
+        return args.func(args)
+
+    return _run(command, debug or getattr(args, "debug", False))
 
 
 def _run(command, debug: bool) -> int:

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.generation import GenerateDecoderOnlyOutput
+from transformers.utils import logging
 
 from .configuration import BlockwiseParallelConfig
 from .errors import BaseModelError, BPDConfigError, CheckpointError
@@ -31,6 +32,8 @@ from .hub.checkpoints import (HEADS_WEIGHTS_NAME, copy_bundled, load_heads_state
                               resolve_checkpoint_dir)
 from .rescorers.base import rescorer_class
 
+logger = logging.get_logger(__name__)
+
 
 def _inside(directory: Path, relative, field: str) -> Path:
     """`directory / relative`, refusing paths that leave the checkpoint (absolute, `..`): config.json names files
@@ -42,6 +45,13 @@ def _inside(directory: Path, relative, field: str) -> Path:
         raise CheckpointError(f"{directory / 'config.json'}: {field}={relative!r} points outside the checkpoint "
                               f"directory: restore config.json")
     return directory / relative
+
+
+def heads_placement(base_model: PreTrainedModel) -> dict:
+    """Where the heads live: on the device of the base's output layer (the last stage under a `device_map`; the heads
+    read its input and share its weights) and in its dtype; fp32 when that layer holds no floating-point weights."""
+    weight = base_model.get_output_embeddings().weight
+    return {"device": weight.device, "dtype": weight.dtype if weight.is_floating_point() else torch.float32}
 
 
 @contextlib.contextmanager
@@ -89,7 +99,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         config.validate_heads()
         self.base_lm = base_model
         self.heads = DraftHeads(config, base_model.get_output_embeddings(), base_model.get_input_embeddings())
-        self.heads.to(device=base_model.device, dtype=base_model.dtype)
+        self.heads.to(**heads_placement(base_model))
         self.generation_config = BlockwiseGenerationConfig.from_base(base_model.generation_config)
         self.last_generation_stats: GenerationStats | None = None
         self.bundled_rescorers: dict = {}  # name -> Rescorer loaded from this checkpoint
@@ -121,14 +131,23 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *model_args,
                         base_model: PreTrainedModel | str | None = None, config: BlockwiseParallelConfig | None = None,
-                        dtype: torch.dtype | str | None = None, ignore_fingerprint_mismatch: bool = False,
+                        dtype: torch.dtype | str | None = None, device_map=None, attn_implementation: str | None = None,
+                        quantization_config=None, ignore_fingerprint_mismatch: bool = False,
                         **kwargs) -> BlockwiseParallelForCausalLM:
         """Load heads saved by `save_pretrained` (a local directory or a Hub repo id) onto their base model.
 
         The base is `base_model` when given (a model or a name for `load_base`), else the config's
         `base_model_name_or_path`. Its fingerprint must match the one the heads were saved with, unless
         `ignore_fingerprint_mismatch=True`.
+
+        `dtype` (default float32; `"auto"`: the base's own), `device_map` (`"cuda"`, `"auto"`, ...),
+        `attn_implementation` and `quantization_config` go to the base's `AutoModelForCausalLM.from_pretrained`, as
+        in transformers. The heads then sit on the device of the base's output layer, in its dtype (fp32 when that
+        layer is not a floating-point tensor, e.g. quantized): see `heads_placement`.
         """
+        dtype = kwargs.pop("torch_dtype", None) if dtype is None else dtype  # transformers' older name
+        load_options = {k: v for k, v in (("device_map", device_map), ("attn_implementation", attn_implementation),
+                                          ("quantization_config", quantization_config)) if v is not None}
         directory = resolve_checkpoint_dir(pretrained_model_name_or_path, kwargs)
         if config is None:
             if not (directory / "config.json").exists():
@@ -145,12 +164,20 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
                 raise BaseModelError("the checkpoint names no base model: pass base_model=... to from_pretrained")
             base_model = config.base_model_name_or_path
         if isinstance(base_model, (str, os.PathLike)):
-            base_model = load_base_model(str(base_model), dtype=dtype or torch.float32)
-        elif dtype is not None:
-            base_model = base_model.to(dtype=dtype)
+            base_model = load_base_model(str(base_model), dtype=dtype or torch.float32, **load_options)
+        else:
+            if load_options:
+                raise BaseModelError(f"{', '.join(load_options)} apply when the base is loaded by name: pass them to "
+                                     "the base's own from_pretrained, or pass base_model= as a name")
+            if dtype is not None:
+                base_model = base_model.to(dtype=dtype)
         check_causal_lm(base_model)
 
-        check_fingerprint(base_model, config.base_model_fingerprint, directory, ignore_fingerprint_mismatch)
+        if quantization_config is None:
+            check_fingerprint(base_model, config.base_model_fingerprint, directory, ignore_fingerprint_mismatch)
+        else:  # quantized at load: its weights cannot match the fingerprint of the weights the heads were trained on
+            logger.warning("the base was quantized at load, so its fingerprint is not checked: make sure "
+                           f"{config.base_model_name_or_path!r} is the base the heads were trained on")
         if config.base_adapter:
             from peft import PeftModel
 
@@ -231,7 +258,9 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
             relative = self.config.base_adapter if name == "base_adapter" else self.config.rescorers[name]["path"]
             copy_bundled(source, directory / relative)
         from .hub.model_card import write_model_card
+        from .hub.remote_code import write_remote_code
 
+        write_remote_code(self, directory)  # loads with plain transformers: auto_map + self-contained code
         write_model_card(self, directory)
 
     def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | bool | None = None,

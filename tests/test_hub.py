@@ -29,7 +29,8 @@ def test_push_to_hub_uploads_heads_config_and_card(monkeypatch):
     model = BlockwiseParallelForCausalLM.from_base(tiny_base("qwen2"), num_heads=2)
     assert model.push_to_hub("me/tiny-bpd", commit_message="heads") == "commit-url"
     assert pushed["repo"] == "me/tiny-bpd"
-    assert pushed["files"] == ["README.md", "config.json", "generation_config.json", "heads.safetensors"]
+    assert pushed["files"] == ["README.md", "config.json", "configuration_bpd.py", "generation_config.json",
+                               "heads.safetensors", "heads_bpd.py", "modeling_bpd.py"]
     assert pushed["keys"] and all(k.startswith("heads.") for k in pushed["keys"])
-    assert "base_model:" in pushed["card"] and "2 resblock head(s)" in pushed["card"]
+    assert "library_name: transformers" in pushed["card"] and "2 resblock head(s)" in pushed["card"]
     assert pushed["kwargs"]["commit_message"] == "heads"

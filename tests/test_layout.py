@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -87,3 +88,30 @@ def test_public_names():
     assert {"ngram", "neural"} <= set(hf_bpd.available_rescorers())
     for name in ("BlockwiseGenerationConfig", "register_rescorer", "BlockwiseGenerateOutput", "GenerationStats"):
         assert hasattr(hf_bpd, name)
+
+
+def test_pyproject_lists_every_package_and_leaves_torch_to_the_user():
+    """Packages are listed by hand in pyproject.toml (model_cards/ maps to hf_bpd.model_cards): a new subpackage that
+    is not listed would be missing from a wheel. torch is a range there; only install.sh pins the CPU wheel."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    from setuptools import find_packages
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    listed = set(project["tool"]["setuptools"]["packages"])
+    assert listed == set(find_packages(str(ROOT), include=["hf_bpd", "hf_bpd.*"])) | {"hf_bpd.model_cards"}
+    torch_req = [d for d in project["project"]["dependencies"] if re.match(r"torch\b", d)]
+    assert torch_req and "==" not in torch_req[0] and ">=" in torch_req[0]
+    assert "torch==2.13.0" in (ROOT / "install.sh").read_text()
+    assert not (ROOT / "setup.py").exists()
+
+
+def test_shipped_checkpoints_carry_the_current_remote_code():
+    """The code a shipped checkpoint carries for trust_remote_code loading is what save_pretrained writes today (a
+    change to hf_bpd/heads.py or the templates must be re-saved into checkpoints/)."""
+    from hf_bpd.hub.remote_code import AUTO_MAP, remote_files
+
+    for checkpoint in sorted((ROOT / "checkpoints").iterdir()):
+        for name, text in remote_files().items():
+            assert (checkpoint / name).read_text() == text, f"{checkpoint.name}/{name} is stale: re-save it"
+        config = json.loads((checkpoint / "config.json").read_text())
+        assert config["auto_map"] == AUTO_MAP and "/" in config["base_model_hub_id"]

@@ -92,7 +92,8 @@ def test_save_load_round_trip_and_auto(tmp_path, arch, tiny_base_dir):
     model.save_pretrained(tmp_path / "bpd")
 
     files = sorted(p.name for p in (tmp_path / "bpd").iterdir())
-    assert files == ["README.md", "config.json", "generation_config.json", "heads.safetensors"]
+    assert files == ["README.md", "config.json", "configuration_bpd.py", "generation_config.json", "heads.safetensors",
+                     "heads_bpd.py", "modeling_bpd.py"]  # the .py files: loading without hf_bpd (test_remote_code)
     saved = load_file(tmp_path / "bpd" / "heads.safetensors")
     assert all(k.startswith("heads.") for k in saved), "base weights leaked into the heads checkpoint"
     assert sum(v.numel() for v in saved.values()) == sum(p.numel() for p in model.heads.parameters())

@@ -66,6 +66,24 @@ def test_assistant_only_mask_on_a_hand_written_example(tokenizer):
     assert text.count("<|im_end|>") == 2  # the assistant learns to end its turn
 
 
+def test_a_tokenizer_without_chat_template_trains_on_the_plain_text_bench_prompts_with(tokenizer):
+    """gemma-3-270m (a pretrained base) has no chat template: turns joined by blank lines, as `hf-bpd bench` prompts
+    such a model, and the assistant's tokens (blank line first, EOS last) are the labels."""
+    import copy
+
+    from hf_bpd.evaluation.bench import encode_messages
+
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."}]
+    example = tokenize_conversation(plain, messages)
+    prompt = encode_messages(plain, messages[:1])["input_ids"][0].tolist()
+    assert example["input_ids"][: len(prompt)] == prompt  # the prompt bench gives, then the answer
+    trained = [t for t, label in zip(example["input_ids"], example["labels"]) if label != -100]
+    assert plain.decode(trained) == "\n\nIt is 4." + plain.eos_token
+    assert example["labels"][: len(prompt)] == [-100] * len(prompt)
+
+
 def test_sharegpt_and_alpaca_records_render(tokenizer):
     sharegpt = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}
     alpaca = {"instruction": "Add", "input": "1 and 2", "output": "3"}

@@ -412,7 +412,7 @@ def run_analysis(model, tokenizer, questions: Sequence[dict], max_new_tokens: in
 
     records = []
     for q in tqdm(questions, desc="analyze", disable=not progress):
-        inputs = encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], chat)
+        inputs = encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], chat, model.device)
         records.append(analyze_prompt(model, inputs["input_ids"], max_new_tokens, top_ks, rescorer, rescore_top_k,
                                       attention_mask=inputs.get("attention_mask"), prompt_id=str(q["id"]),
                                       category=q.get("category", "")))

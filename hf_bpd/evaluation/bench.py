@@ -143,8 +143,8 @@ def load_questions(path: str | Path) -> list[dict]:
     return out
 
 
-def encode_messages(tokenizer, messages: list[dict], chat: bool | None = None) -> dict:
-    """Token ids (`input_ids`, `attention_mask`, `(1, len)`) for a conversation ending with a user turn.
+def encode_messages(tokenizer, messages: list[dict], chat: bool | None = None, device=None) -> dict:
+    """Token ids (`input_ids`, `attention_mask`, `(1, len)`, on `device`) for a conversation ending with a user turn.
 
     `chat=None` uses the tokenizer's chat template when it has one; without it the turns are joined by blank lines.
     """
@@ -157,7 +157,7 @@ def encode_messages(tokenizer, messages: list[dict], chat: bool | None = None) -
                                                 return_dict=True)
     else:
         encoded = tokenizer("\n\n".join(m["content"] for m in messages), return_tensors="pt")
-    return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+    return {"input_ids": encoded["input_ids"].to(device), "attention_mask": encoded["attention_mask"].to(device)}
 
 
 # ------------------------------------------------------------------ decoders
@@ -442,7 +442,7 @@ def run_bench(model, tokenizer, questions: Sequence[dict], methods: Sequence[str
         skipped[name] = reason
         log(f"skipping {name}: {reason}")
 
-    first = encode_messages(tokenizer, [{"role": "user", "content": questions[0]["turns"][0]}], chat)
+    first = encode_messages(tokenizer, [{"role": "user", "content": questions[0]["turns"][0]}], chat, model.device)
     active = []
     for name in methods:
         try:
@@ -462,7 +462,7 @@ def run_bench(model, tokenizer, questions: Sequence[dict], methods: Sequence[str
         messages: list[dict] = []
         for turn, content in enumerate(question["turns"] if multi_turn else question["turns"][:1], 1):
             messages.append({"role": "user", "content": content})
-            inputs = encode_messages(tokenizer, messages, chat)
+            inputs = encode_messages(tokenizer, messages, chat, model.device)
             prompt_length = inputs["input_ids"].shape[1]
             order = active[position % len(active):] + active[: position % len(active)]
             position += 1

@@ -10,7 +10,62 @@ from ..generation.config import DRAFTING_OPTIONS
 from ..rescorers.base import available_rescorers
 
 
-def render_model_card(model, repo: str | None = None, extra: str = "") -> str:
+def hub_base_id(name: str | None) -> str | None:
+    """The Hub id of a base named by a packaged alias (its original model) or by a Hub id; None for local paths."""
+    from .remote_code import base_model_hub_id
+
+    name = base_model_hub_id(name)
+    if name and name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists():
+        return name
+    return None
+
+
+def card_metadata(model, directory: Path | None = None):
+    """The card's YAML front matter (`huggingface_hub.ModelCardData`): base_model (a Hub id), library_name,
+    pipeline_tag, tags, datasets (training.json's `datasets`: Hub ids of the training data's sources) and
+    model-index results measured for these heads: per-head top-1/top-5 accuracy on the held-out split
+    (training.json) and block efficiency of plain and rescored drafts on held-out prompts (tuning.json)."""
+    import json
+
+    from huggingface_hub import EvalResult, ModelCardData
+
+    config = model.config
+    training = tuning = {}
+    if directory is not None and (directory / "training.json").exists():
+        training = json.loads((directory / "training.json").read_text())
+    if directory is not None and (directory / "tuning.json").exists():
+        tuning = json.loads((directory / "tuning.json").read_text())
+    results = []
+    split = "held-out split of the training conversations"
+    for row in training.get("eval_head_accuracy", []):
+        for metric in ("top1", "top5"):
+            results.append(EvalResult(
+                task_type="text-generation", dataset_type="hf_bpd/heads-eval-split", dataset_name=split,
+                metric_type=f"head{row['head']}_{metric}_accuracy", metric_value=round(row[metric], 4),
+                metric_name=f"head {row['head']} {metric[:3]}-{metric[3:]} accuracy (predicts token t+{row['head'] + 1})",
+                metric_config=f"train_heads.py, {row['positions']} positions"))
+    chosen = tuning.get(tuning.get("chosen") or "", {})
+    if chosen.get("block_efficiency"):
+        prompts = (f"{tuning.get('prompts')} held-out prompts ({tuning.get('prompt_file')}), greedy, "
+                   f"{tuning.get('max_new_tokens')} new tokens")
+        how = f"hf-bpd tune-alpha, top-{tuning.get('top_k', 16)} lattice"
+        for label, value in (("plain BPD (heads' argmax)", chosen["vanilla"]),
+                             (f"BPD + {tuning['chosen']} rescorer, alpha={chosen.get('alpha')}",
+                              chosen.get("best", max(chosen["block_efficiency"].values())))):
+            results.append(EvalResult(task_type="text-generation", dataset_type="hf_bpd/tune_prompts",
+                                      dataset_name=prompts, metric_type="block_efficiency",
+                                      metric_value=round(value, 3), metric_name=f"block efficiency, {label}",
+                                      metric_config=how))
+    tags = ["hf_bpd", "blockwise-parallel-decoding", "speculative-decoding", f"{config.head_type}-heads"]
+    if config.head_type == "resblock":
+        tags.append("medusa")
+    return ModelCardData(base_model=hub_base_id(config.base_model_name_or_path), library_name="transformers",
+                         pipeline_tag="text-generation", tags=tags, datasets=training.get("datasets") or None,
+                         model_name=f"BPD heads for {config.base_model_name_or_path or 'a causal LM'}",
+                         eval_results=results or None)
+
+
+def render_model_card(model, repo: str | None = None, extra: str = "", directory: Path | None = None) -> str:
     """Markdown model card for a `BlockwiseParallelForCausalLM`; `extra` is appended (results, training data)."""
     config = model.config
     base = config.base_model_name_or_path or "unknown"
@@ -18,9 +73,10 @@ def render_model_card(model, repo: str | None = None, extra: str = "") -> str:
     generation = model.generation_config
     vocab = "full vocabulary" if config.draft_vocab_size is None else f"{config.draft_vocab_size} token ids"
     return template.safe_substitute(
+        front_matter=card_metadata(model, directory).to_yaml(),
         title=f"BPD heads for {base}",
         base_model=base,
-        base_link=base if "/" in base and not base.startswith((".", "/")) else "#",
+        base_link=f"https://huggingface.co/{hub_base_id(base)}" if hub_base_id(base) else "#",
         num_heads=config.num_heads,
         head_type=config.head_type,
         num_layers_per_head=config.num_layers_per_head,
@@ -77,5 +133,6 @@ def _sections(directory: Path) -> str:
 def write_model_card(model, directory: str | Path, extra: str = "") -> Path:
     directory = Path(directory)
     path = directory / "README.md"
-    path.write_text(render_model_card(model, extra="\n".join(x for x in (_sections(directory), extra) if x)))
+    path.write_text(render_model_card(model, extra="\n".join(x for x in (_sections(directory), extra) if x),
+                                      directory=directory))
     return path

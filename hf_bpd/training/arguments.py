@@ -8,13 +8,16 @@ DESCRIPTION = """Train BPD drafting heads with Accelerate (and optionally LoRA i
     accelerate launch training/train_heads.py --model smollm2-135m-instruct --data data/distilled.jsonl \
         --num-heads 4 --draft-vocab-size 16384 --epochs 2 --output-dir checkpoints/my-heads
     python training/train_heads.py ...            # the same on one CPU process
+    accelerate launch --config_file configs/cpu.yaml training/train_heads.py ... --threads 1
+                                                  # data-parallel (configs/: CPU, one GPU, several GPUs)
 
 Frozen base (default, Medusa-1 / the paper's setting): base hidden states are cached once and only the heads train.
 `--lora-base q_proj,v_proj`: Medusa-2 style, LoRA in the base trained jointly with the heads; the base's own
 next-token loss (`--base-loss-weight`) or a KL to the frozen base (`--kl-weight`, via peft's adapter disabling) keeps
 its outputs from drifting. `--resume` continues from the last `accelerator.save_state` checkpoint without losing a
 step. Data: ShareGPT/Vicuna JSON(L) (`conversations`) or Alpaca records, rendered with the chat template, loss on
-assistant tokens only.
+assistant tokens only. Several processes give the run one process would give (same batches, same loss curve):
+`--batch-size` is the global batch, each process takes its share of it.
 """
 
 
@@ -51,7 +54,9 @@ def build_parser(prog=None, parser_class=argparse.ArgumentParser, formatter_clas
     p.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up steps")
     p.add_argument("--epochs", type=float, default=1.0, help="passes over the training examples")
     p.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
-    p.add_argument("--batch-size", type=int, default=8, help="examples per step")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="examples per step (per micro-step with --grad-accum), over all processes: each of N "
+                        "processes takes every N-th example of it")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--save-steps", type=int, default=200,
                    help="save a resumable accelerate state every N steps")
@@ -60,7 +65,8 @@ def build_parser(prog=None, parser_class=argparse.ArgumentParser, formatter_clas
     p.add_argument("--cache-dir", default=None,
                    help="keep the base hidden states here (safetensors shards, per example) and reuse them in later "
                         "runs on the same base and targets: only examples not seen before run the base (frozen-base "
-                        "mode)")
+                        "mode). With several processes they share the base forwards through it (a directory all of them "
+                        "see); without it each runs the base over every example")
     p.add_argument("--resume", action="store_true", help="continue from output-dir/state")
     p.add_argument("--lora-base", default=None, help="comma-separated base modules for LoRA (Medusa-2 mode)")
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (with --lora-base)")
@@ -68,7 +74,12 @@ def build_parser(prog=None, parser_class=argparse.ArgumentParser, formatter_clas
     p.add_argument("--kl-weight", type=float, default=0.0, help="LoRA mode: KL(frozen base || adapted base)")
     p.add_argument("--push-to-hub", default=None, help="repo id to upload the checkpoint to")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, the shuffling and the heads")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the base's dtype (its forwards: caching hidden states, every step with --lora-base); the "
+                        "heads share its output layer and follow it. For bf16 compute over fp32 weights use "
+                        "accelerate's --mixed_precision bf16 instead. The device is accelerate's (--cpu, its config)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads per process (default: torch's, which follows OMP_NUM_THREADS)")
     return p
 
 

@@ -83,8 +83,12 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int = 102
     """`{"input_ids", "labels"}` for one conversation; labels are -100 except on assistant turns' tokens.
 
     Each assistant turn's tokens are found by rendering the conversation up to that turn with and without it: the
-    chat template decides what the assistant says (including its end-of-turn token).
+    chat template decides what the assistant says (including its end-of-turn token). A tokenizer without a chat
+    template (a pretrained base such as gemma-3-270m) gets the plain-text form `hf-bpd bench` prompts it with: the
+    turns joined by blank lines, the last assistant turn ended by EOS (`plain_conversation`).
     """
+    if not getattr(tokenizer, "chat_template", None):
+        return plain_conversation(tokenizer, messages, max_length)
     ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
     if not isinstance(ids, list):
         ids = ids["input_ids"]
@@ -99,4 +103,19 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int = 102
         upto = upto if isinstance(upto, list) else upto["input_ids"]
         for j in range(len(before), min(len(upto), len(ids))):
             labels[j] = ids[j]
+    return {"input_ids": ids[:max_length], "labels": labels[:max_length]}
+
+
+def plain_conversation(tokenizer, messages: list[dict], max_length: int = 1024) -> dict:
+    """`tokenize_conversation` without a chat template: BOS, then the turns' texts joined by blank lines (what
+    `hf_bpd.evaluation.bench.encode_messages(chat=False)` prompts with); an assistant turn's tokens (its leading
+    blank line included) are labels, and so is an EOS after the last assistant turn."""
+    ids = list(tokenizer("", add_special_tokens=True)["input_ids"])  # BOS where the tokenizer adds one
+    labels = [-100] * len(ids)
+    for i, message in enumerate(messages):
+        piece = tokenizer(("\n\n" if i else "") + message["content"], add_special_tokens=False)["input_ids"]
+        if message["role"] == "assistant" and i == len(messages) - 1 and tokenizer.eos_token_id is not None:
+            piece = piece + [tokenizer.eos_token_id]
+        ids += piece
+        labels += piece if message["role"] == "assistant" else [-100] * len(piece)
     return {"input_ids": ids[:max_length], "labels": labels[:max_length]}

@@ -159,7 +159,7 @@ def _save_shard(cache_dir: Path, prefix: str, entries: dict[str, dict]) -> None:
         tensors[f"{key}.labels"] = entry["labels"].contiguous()
     name = hashlib.sha256("".join(sorted(entries)).encode()).hexdigest()[:16]
     path = cache_dir / f"hidden-{prefix}-{name}.safetensors"
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # two processes writing one shard never mix
     save_file(tensors, str(partial))
     os.replace(partial, path)  # a kill mid-write never leaves a shard that looks complete
 
@@ -201,7 +201,8 @@ class HeadsOnHiddenStates(nn.Module):
         self.soft_weight, self.temperature = soft_weight, temperature
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, return_stats: bool = False):
-        hidden = hidden.to(next(self.heads.parameters()).dtype)
+        weight = next(self.heads.parameters())  # the cache lives on CPU, the heads where accelerate put them
+        hidden, labels = hidden.to(weight.device, weight.dtype), labels.to(weight.device)
         return self.heads.loss(hidden, labels, self.weights, return_stats=return_stats,
                                soft_weight=self.soft_weight, temperature=self.temperature)
 

@@ -5,6 +5,7 @@ greedy (or sampled) outputs. Batched, resumable (appends, and skips ids already 
 
     python training/self_distill.py --model smollm2-135m-instruct --prompts a.json b.jsonl \
         --output data/distilled.jsonl --max-new-tokens 256 --batch-size 32 [--limit N] [--do-sample --seed 0]
+    python training/self_distill.py ... --device cuda --dtype bfloat16 --batch-size 128   # on a GPU
 """
 
 import argparse
@@ -37,8 +38,19 @@ def parse_args(argv=None):
     p.add_argument("--do-sample", action="store_true")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    return p.parse_args(argv)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... or auto (a GPU when there is one)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the base's dtype")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads")
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
+    try:
+        kind = torch.device(args.device).type
+    except RuntimeError:
+        p.error(f"--device: not a device: {args.device!r} (cpu, cuda, cuda:1, ... or auto)")
+    if kind != "cpu" and not (torch.accelerator.is_available() and torch.accelerator.current_accelerator().type == kind):
+        p.error(f"--device {args.device}: no such device on this machine (cpu, or auto for whatever there is)")
+    return args
 
 
 def interleave(sources: list[list[dict]]) -> list[dict]:
@@ -67,7 +79,8 @@ def main(argv=None):
         with output.open() as f:
             done = {json.loads(line)["id"] for line in f if line.strip()}
     todo = [r for r in prompts if r["id"] not in done]
-    model, tokenizer = load_base(args.model)
+    model, tokenizer = load_base(args.model, dtype=getattr(torch, args.dtype))
+    model.to(args.device)
 
     def chat(prompt: str) -> str:
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
@@ -88,7 +101,7 @@ def main(argv=None):
         for i in range(0, len(todo), args.batch_size):
             batch = todo[i: i + args.batch_size]
             texts = [chat(r["prompt"]) for r in batch]
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(args.device)
             gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                        pad_token_id=tokenizer.pad_token_id)
             if args.do_sample:

@@ -1,5 +1,12 @@
 """Train BPD drafting heads with Accelerate, and optionally LoRA in the base through peft (usage and options:
-`hf_bpd.training.arguments`)."""
+`hf_bpd.training.arguments`).
+
+Several processes (`accelerate launch --multi_gpu --num_processes N`, `--config_file configs/...`, or `torchrun`) train
+data-parallel, on GPUs or, on a machine without any, on CPU over gloo. They give the run one process would give:
+`--batch-size` is the global batch of a step, every process collates its share of it, and each process's loss is
+weighted by its share of the step's scored positions, so the averaged gradient is the gradient of the global batch's
+loss (exactly so for the heads in frozen-base mode; by token count with `--lora-base`).
+"""
 
 import json
 import math
@@ -9,7 +16,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, set_seed
 from datasets import load_dataset
 from torch.utils.data import DataLoader, Sampler
 
@@ -37,17 +44,18 @@ def keep_log_until(path: Path, step: int) -> None:
 
 class EpochBatches(Sampler):
     """Deterministic shuffled batches of one epoch: the order of epoch e depends only on (seed, e), so a resumed run
-    sees exactly the batches the killed run would have seen. `use_epoch(e)` selects the epoch."""
+    sees exactly the batches the killed run would have seen. `use_epoch(e, skip)` selects the epoch and skips its
+    first `skip` batches (without loading them). Every process iterates the same (global) batches."""
 
     def __init__(self, n: int, batch_size: int, seed: int):
-        self.n, self.batch_size, self.seed, self.epoch = n, batch_size, seed, 0
+        self.n, self.batch_size, self.seed, self.epoch, self.skip = n, batch_size, seed, 0, 0
 
-    def use_epoch(self, epoch: int) -> None:  # not `set_epoch`: accelerate would reset it per iterator
-        self.epoch = epoch
+    def use_epoch(self, epoch: int, skip: int = 0) -> None:  # not `set_epoch`: accelerate would reset it per iterator
+        self.epoch, self.skip = epoch, skip
 
     def __iter__(self):
         order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        for i in range(0, self.n, self.batch_size):
+        for i in range(self.skip * self.batch_size, self.n, self.batch_size):
             yield order[i: i + self.batch_size]
 
     def __len__(self):
@@ -75,6 +83,41 @@ def collate_tokens(pad_id):
     return collate
 
 
+def process_share(collate, index: int, count: int):
+    """`collate` of process `index`'s share (every `count`-th example) of a global batch. A process whose share is
+    empty (a last batch smaller than `count`) collates the batch's first example instead, and `"scored"` is False:
+    it runs the step (data parallelism needs every process in every step) but its loss counts for nothing."""
+    def collate_share(items):
+        mine = items[index::count]
+        return {**collate(mine or items[:1]), "scored": bool(mine)}
+    return collate_share
+
+
+def share_of_positions(accelerator, positions: list[int], scored: bool, device) -> torch.Tensor:
+    """This process's share (terms,) of each loss term's scored positions in the global batch (summed over processes:
+    1, or 0 where no process scored any). A term's per-process mean times this share, summed over the processes, is
+    the term's mean over the global batch: what one process training on the whole batch computes."""
+    positions = torch.tensor(positions, dtype=torch.float32, device=device) * scored
+    return positions / accelerator.reduce(positions, "sum").clamp(min=1)
+
+
+def cpu_only_processes() -> bool:
+    """Several processes (`accelerate launch --multi_gpu`, `torchrun`) on a machine with no accelerator: Accelerate
+    makes them data-parallel over gloo only when told they run on CPU; otherwise each would train alone."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available()
+
+
+def cached_hidden_states(accelerator, model, examples, args) -> list[dict]:
+    """`cache_hidden_states` with several processes: with `--cache-dir`, each process runs the base on its share of
+    the examples and writes its own shards (disjoint, so no two write the same file), then all read the whole cache
+    (a file system every process sees); without one, every process runs the base on every example."""
+    if args.cache_dir and accelerator.num_processes > 1:
+        share = examples[accelerator.process_index:: accelerator.num_processes]
+        cache_hidden_states(model, share, targets=args.targets, cache_dir=args.cache_dir)
+        accelerator.wait_for_everyone()
+    return cache_hidden_states(model, examples, targets=args.targets, cache_dir=args.cache_dir)
+
+
 def main(argv=None, prog=None):
     args = parse_args(argv, prog)
     missing = [f for f in args.data if not os.path.isfile(f)]
@@ -87,14 +130,24 @@ def main(argv=None, prog=None):
         raise SystemExit("train_heads: --soft-target-weight needs the frozen-base mode (drop --lora-base)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum)
+    # split_batches: --batch-size is the global batch (the scheduler steps once per step, not once per process);
+    # find_unused_parameters: a head with no scored position in a process's share is not in its graph
+    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, cpu=cpu_only_processes(),
+                              dataloader_config=DataLoaderConfiguration(split_batches=True),
+                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    parallel = accelerator.num_processes > 1
     set_seed(args.seed)
     out = Path(args.output_dir)
     log = (lambda msg: accelerator.print(msg, flush=True))
     started = time.perf_counter()
+    if (os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") and "MASTER_PORT" in os.environ
+            and "WORLD_SIZE" not in os.environ):  # what `accelerate launch --cpu --num_processes 2` leaves
+        log("one process: `accelerate launch --cpu --num_processes N` starts only one (several need mpirun); for N "
+            "CPU processes use `accelerate launch --multi_gpu --num_processes N` or --config_file configs/cpu.yaml")
 
-    base, tokenizer = hf_bpd.load_base(args.model)
-    records = load_records(args.data)
+    with accelerator.main_process_first():  # a packaged base is converted, and the data cached, by one process
+        base, tokenizer = hf_bpd.load_base(args.model, dtype=getattr(torch, args.dtype))
+        records = load_records(args.data)
     examples, skipped = build_examples(tokenizer, records, args.max_length)
     examples = examples[: args.max_examples]
     if not examples:
@@ -121,6 +174,7 @@ def main(argv=None, prog=None):
             tie_head_projection=not args.own_projection, draft_vocab=draft_vocab, head_loss_weights=weights)
         model.config.base_model_name_or_path = args.model
 
+    model.to(accelerator.device)
     lora = args.lora_base is not None
     if lora:
         from peft import get_peft_model
@@ -132,20 +186,26 @@ def main(argv=None, prog=None):
         collate = collate_tokens(tokenizer.pad_token_id or 0)
     else:
         model.freeze_base()
-        dataset = cache_hidden_states(model, train_examples, targets=args.targets, cache_dir=args.cache_dir)
-        eval_data = cache_hidden_states(model, eval_examples, targets=args.targets, cache_dir=args.cache_dir)
+        if parallel and not args.cache_dir:
+            log(f"each of the {accelerator.num_processes} processes runs the base over every example: pass "
+                "--cache-dir to share that work")
+        dataset = cached_hidden_states(accelerator, model, train_examples, args)
+        eval_data = (cache_hidden_states(model, eval_examples, targets=args.targets, cache_dir=args.cache_dir)
+                     if accelerator.is_main_process else [])  # the accuracy report is the main process's
         trainable = HeadsOnHiddenStates(model, args.soft_target_weight, args.soft_target_temperature)
         collate = collate_cached
 
     sampler = EpochBatches(len(dataset), args.batch_size, args.seed)
-    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
+    # Not through `accelerator.prepare`: every process iterates the same global batches and collates its share.
+    loader = DataLoader(dataset, batch_sampler=sampler,
+                        collate_fn=process_share(collate, accelerator.process_index, accelerator.num_processes))
     per_epoch = len(loader)
     total_steps = args.max_steps or int(per_epoch * args.epochs / args.grad_accum)
     params = [p for p in trainable.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1))
                                                   * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
-    trainable, optimizer, loader, scheduler = accelerator.prepare(trainable, optimizer, loader, scheduler)
+    trainable, optimizer, scheduler = accelerator.prepare(trainable, optimizer, scheduler)
 
     step, state_dir = 0, out / "state"
     checkpoint = latest_checkpoint(state_dir) if args.resume else None
@@ -165,9 +225,8 @@ def main(argv=None, prog=None):
         done = step * args.grad_accum
         epoch = done // per_epoch
         while True:
-            sampler.use_epoch(epoch)
-            skip = done - epoch * per_epoch
-            yield from (accelerator.skip_first_batches(loader, skip) if skip else loader)
+            sampler.use_epoch(epoch, skip=done - epoch * per_epoch)
+            yield from loader
             epoch += 1
             done = epoch * per_epoch
 
@@ -176,6 +235,8 @@ def main(argv=None, prog=None):
     for batch in batches():
         if step >= total_steps:
             break
+        scored = batch.pop("scored")
+        batch = {key: value.to(accelerator.device) for key, value in batch.items()}
         with accelerator.accumulate(trainable):
             if lora:
                 result = trainable(**batch, base_loss_weight=args.base_loss_weight, return_head_logits=False)
@@ -188,15 +249,29 @@ def main(argv=None, prog=None):
                                                     frozen[mask].float().log_softmax(-1), log_target=True,
                                                     reduction="batchmean")
                     loss = loss + args.kl_weight * kl
+                if parallel:  # the whole loss weighted by the share of the step's tokens
+                    share = share_of_positions(accelerator, [int((batch["labels"][:, 1:] != -100).sum())], scored,
+                                               loss.device)
+                    loss, head_losses = loss * share[0], head_losses * share[0]
+            elif parallel:  # each head's mean weighted by the share of the step's positions it scored
+                _, head_losses, stats = trainable(batch["hidden"], batch["labels"], return_stats=True)
+                head_losses = head_losses * share_of_positions(accelerator, [n for n, _, _ in stats], scored,
+                                                               head_losses.device)
+                weights = model.config.head_loss_weights[: len(head_losses)]
+                loss = (torch.tensor(weights, dtype=head_losses.dtype, device=head_losses.device) * head_losses).sum()
             else:
                 loss, head_losses = trainable(batch["hidden"], batch["labels"])
-            accelerator.backward(loss)
+            # the gradients are averaged over the processes: the sum of the shares' gradients is the global batch's
+            accelerator.backward(loss * accelerator.num_processes if parallel else loss)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
         if not accelerator.sync_gradients:
             continue
         step += 1
+        if parallel:  # the global batch's loss: the sum of the processes' shares
+            summed = accelerator.reduce(torch.cat([loss.detach().reshape(1), head_losses.detach()]), "sum")
+            loss, head_losses = summed[0], summed[1:]
         entry = {"step": step, "loss": float(loss.detach()),
                  "head_losses": [round(float(x), 5) for x in head_losses.detach()],
                  "lr": scheduler.get_last_lr()[0]}
@@ -220,13 +295,14 @@ def main(argv=None, prog=None):
         model = unwrapped.merge_and_unload()
         accuracy = []
     else:
-        accuracy = head_accuracy(accelerator.unwrap_model(trainable), eval_data)
+        accuracy = head_accuracy(accelerator.unwrap_model(trainable), eval_data) if accelerator.is_main_process else []
     for row in accuracy:
         log(f"head {row['head']}: top-1 {row['top1']:.3f}  top-5 {row['top5']:.3f}  ({row['positions']} positions)")
     if accelerator.is_main_process:
         training = {"data": [os.path.basename(d) for d in args.data], "examples": len(train_examples),
                     "tokens": sum(len(e["input_ids"]) for e in train_examples), "steps": step,
                     "lr": args.lr, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
+                    "processes": accelerator.num_processes, "dtype": args.dtype,
                     "epochs": args.epochs, "targets": args.targets, "head_type": model.config.head_type,
                     "soft_target_weight": args.soft_target_weight,
                     "soft_target_temperature": args.soft_target_temperature, "mode": "lora-base" if lora else "frozen base (cached hidden states)",

@@ -38,7 +38,7 @@ def main(argv=None):
     model = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.checkpoint)
     tokenizer = hf_bpd.load_tokenizer(args.checkpoint)
     questions = load_questions(args.questions)[: args.limit]
-    prompts = [encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}])["input_ids"]
+    prompts = [encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], None, model.device)["input_ids"]
                for q in questions]
     report = {"prompts": len(prompts), "prompt_file": args.questions, "max_new_tokens": args.max_new_tokens,
               "top_k": args.top_k}
