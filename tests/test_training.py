@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 import hf_bpd
 from hf_bpd.training.data import conversation_messages, tokenize_conversation
@@ -24,19 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def tokenizer():
     return hf_bpd.load_tokenizer("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_base(tmp_path_factory, tokenizer):
-    """A tiny random Llama with SmolLM2's tokenizer, saved like any HF model directory."""
-    path = tmp_path_factory.mktemp("tiny-chat-base")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=2, tie_word_embeddings=True)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -295,6 +282,13 @@ def test_self_distill_is_batched_resumable_and_deterministic(tmp_path, tiny_chat
     assert len({r["id"] for r in rows}) == 7
     assert all(r["conversations"][0]["from"] == "human" and r["conversations"][1]["from"] == "gpt" for r in rows)
     assert "Count 4" not in {r["conversations"][0]["value"] for r in rows}
+
+    # With a heads checkpoint the batches decode with batched drafting: the same answers.
+    heads = tmp_path / "heads"
+    hf_bpd.BlockwiseParallelForCausalLM.from_base(str(tiny_chat_base), num_heads=2).save_pretrained(heads)
+    drafted = tmp_path / "drafted.jsonl"
+    assert self_distill(common[:1] + [str(heads)] + common[2:] + ["--output", str(drafted), "--limit", "7"]) == 0
+    assert sorted(drafted.read_text().splitlines()) == sorted(lines)
 
 
 def test_tune_rescorers_smoke_bundles_the_better_ngram_and_sets_the_default(tmp_path, tiny_chat_base, tokenizer):

@@ -29,6 +29,7 @@ from transformers.generation.streamers import BaseStreamer
 from ..errors import BPDConfigError, BPDTypeError, InputError, WorkLimitError
 from ..limits import MAX_COST_SCHEDULE_BLOCK
 from ..rescorers.base import HeadScoreRescorer, resolve_rescorer
+from .batch import decode_batch
 from .budget import SCHEDULES, DraftBudget, HeadCalibration, eager_costs
 from .config import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS, DraftingOptions, _int_value
 from .drafting import BlockDrafter, NoDrafter
@@ -176,11 +177,8 @@ def check_supported(input_ids, generation_config, model_kwargs, compiled: bool =
     """One-line errors for what drafting does not support."""
     if (generation_config.num_beams or 1) > 1:
         raise BPDConfigError("beam search cannot be combined with drafting heads: use num_beams=1 or use_heads=False")
-    if input_ids.shape[0] != 1:
-        raise BPDConfigError(f"drafting with heads decodes one sequence at a time, got a batch of {input_ids.shape[0]}:"
-                             " loop over prompts, or pass use_heads=False for batched plain decoding")
     mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
+    if input_ids.shape[0] == 1 and mask is not None and not bool(mask.all()):
         raise BPDConfigError("the attention mask pads a batch of one: drop the padding (tokenize without padding)")
     if generation_config.penalty_alpha or generation_config.dola_layers is not None:
         raise BPDConfigError("contrastive search / DoLa cannot be combined with drafting heads: pass use_heads=False")
@@ -216,6 +214,10 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
                        plan: DecodingPlan, **model_kwargs):
     """The `custom_generate` decoding method: draft, verify, accept until a stopping criterion holds."""
     check_supported(input_ids, generation_config, model_kwargs, compiled=plan.compile)
+    if input_ids.shape[0] > 1:  # a batch of prompts: ragged rows on one cache, verified eagerly
+        plan.stats.method += "+batch"
+        return decode_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, plan,
+                            model_kwargs.get("attention_mask"))
     verifier, runner = None, None
     if plan.compile:
         try:

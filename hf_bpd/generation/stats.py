@@ -25,6 +25,10 @@ class GenerationStats:
     total_seconds: float = 0.0
     method: str = "chain"
     compile_seconds: float = 0.0  # compiling the verification step in this call (0 once compiled)
+    # A batch of prompts: each row's own statistics, and the base forward passes the batch shared. The batch's
+    # `accepted_lengths` / `draft_tokens` are the rows' together, so its block efficiency is the rows' pooled one.
+    rows: list[GenerationStats] | None = None
+    forward_passes: int | None = None
 
     @property
     def serial_calls(self) -> int:
@@ -59,6 +63,8 @@ class GenerationStats:
             "verify_seconds": self.verify_seconds,
             "total_seconds": self.total_seconds,
             "compile_seconds": self.compile_seconds,
+            **({"forward_passes": self.forward_passes, "rows": [row.as_dict() for row in self.rows]}
+               if self.rows is not None else {}),
         }
 
 

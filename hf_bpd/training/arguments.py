@@ -77,7 +77,10 @@ def build_parser(prog=None, parser_class=argparse.ArgumentParser, formatter_clas
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the base's dtype (its forwards: caching hidden states, every step with --lora-base); the "
                         "heads share its output layer and follow it. For bf16 compute over fp32 weights use "
-                        "accelerate's --mixed_precision bf16 instead. The device is accelerate's (--cpu, its config)")
+                        "accelerate's --mixed_precision bf16 instead")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: accelerate's choice (its config, or a GPU when there is one); cpu: train on CPU even "
+                        "where there is a GPU; cuda: refuse to start without one")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads per process (default: torch's, which follows OMP_NUM_THREADS)")
     return p

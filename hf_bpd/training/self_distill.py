@@ -6,6 +6,7 @@ greedy (or sampled) outputs. Batched, resumable (appends, and skips ids already 
     python training/self_distill.py --model smollm2-135m-instruct --prompts a.json b.jsonl \
         --output data/distilled.jsonl --max-new-tokens 256 --batch-size 32 [--limit N] [--do-sample --seed 0]
     python training/self_distill.py ... --device cuda --dtype bfloat16 --batch-size 128   # on a GPU
+    python training/self_distill.py --model checkpoints/smollm2-135m-instruct-bpd ...      # batched drafting
 """
 
 import argparse
@@ -20,14 +21,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..hub.base_models import load_base
+from ..cli import load_for_generation
 from .data import load_prompts
 from .make_dev_split import shuffled
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="the base model, or a heads checkpoint: then its base answers and the batches are decoded "
+                        "with batched drafting (the same answers, fewer serial forward passes)")
     p.add_argument("--prompts", nargs="+", required=True, help="prompt files (Alpaca/GSM8K/MT-bench/ShareGPT/text)")
     p.add_argument("--output", required=True)
     p.add_argument("--exclude", nargs="*", default=[], help="prompt files whose prompts are held out (dev split)")
@@ -79,7 +82,8 @@ def main(argv=None):
         with output.open() as f:
             done = {json.loads(line)["id"] for line in f if line.strip()}
     todo = [r for r in prompts if r["id"] not in done]
-    model, tokenizer = load_base(args.model, dtype=getattr(torch, args.dtype))
+    model, tokenizer = load_for_generation(args.model, args.dtype, "cpu")
+    drafting = {"compile": False} if hasattr(model, "heads") else {}  # batched drafting is eager
     model.to(args.device)
 
     def chat(prompt: str) -> str:
@@ -107,7 +111,7 @@ def main(argv=None):
             if args.do_sample:
                 gen["temperature"] = args.temperature
             with torch.no_grad():
-                seqs = model.generate(**enc, **gen)
+                seqs = model.generate(**enc, **gen, **drafting)
             for record, seq in zip(batch, seqs[:, enc["input_ids"].shape[1]:]):
                 ids = seq.tolist()
                 if tokenizer.eos_token_id in ids:

@@ -132,7 +132,11 @@ def main(argv=None, prog=None):
         torch.set_num_threads(args.threads)
     # split_batches: --batch-size is the global batch (the scheduler steps once per step, not once per process);
     # find_unused_parameters: a head with no scored position in a process's share is not in its graph
-    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, cpu=cpu_only_processes(),
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"train_heads: --device cuda: torch {torch.__version__} sees no CUDA device here: use "
+                         "--device cpu (or auto)")
+    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum,
+                              cpu=args.device == "cpu" or cpu_only_processes(),
                               dataloader_config=DataLoaderConfiguration(split_batches=True),
                               kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     parallel = accelerator.num_processes > 1

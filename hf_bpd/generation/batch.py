@@ -1,0 +1,287 @@
+"""Drafting for a batch of prompts in one `generate()` call: every row drafts, is verified and accepts on its own.
+
+Rows accept different numbers of tokens per step, so the batch's rows cannot stay aligned the way plain batched
+decoding keeps them. The layout here ("ragged rows on one cache"):
+
+* The batch shares one `DynamicCache` of physical length `P`. Row `r`'s tokens occupy some of its slots, in order;
+  `valid[r]` (a `(rows, P)` bool mask) says which. Each row's positions count only its own tokens, so rotary
+  embeddings see every row as if it were alone.
+* A step appends every row's block (its last token and its draft tree, padded to the widest block `Q` of the step)
+  at slots `P .. P+Q-1`, with a 4D mask per row: its valid slots, its tree's ancestors, nothing of the padding.
+* After verification, row `r` keeps its root and accepted path: those `k_r` entries move to the front of the new
+  tail and the tail is cut to `K = max_r k_r`; row `r` leaves `K - k_r` holes (masked from then on). When holes make
+  up more than a quarter of the cache, it is compacted: each row's valid slots gathered to the right (left padding).
+* A row that meets a stopping criterion leaves the batch: its cache row is dropped, so finished rows cost nothing.
+
+Verification is eager (compiled verification runs one sequence). The draft-cost schedule is single-sequence too:
+batches verify every drafted token (`draft_schedule="fixed"`).
+
+Each row is decoded exactly as transformers' batched plain `generate()` decodes it: logits processors and stopping
+criteria see the row's left-padded context, as they do there; for prompts without padding-sensitive processors
+(a repetition penalty sees pad tokens there too) that is the prompt's own output. Floating-point sums over a padded
+batch differ from a lone sequence's in the last bits, so a near-tie between the base's two best tokens can go either
+way, as it can for transformers' batched decoding (`tests/test_batch.py` allows exactly that).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from ..errors import BPDConfigError
+from .stats import BlockwiseGenerateOutput, GenerationStats
+from .stopping import StopGuard
+from .tree import DraftTree
+
+COMPACT_HOLES = 0.25  # compact the cache when this share of its slots are holes
+
+
+class _Row:
+    """One prompt of the batch: its padded context, drafter, stopping guard and statistics."""
+
+    def __init__(self, index: int, prompt: torch.Tensor, pad: int, drafter, criteria, stats: GenerationStats):
+        self.index, self.pad = index, pad
+        self.sequence = prompt[None]  # (1, padded prompt + new tokens): what processors and criteria see
+        self.drafter, self.stats = drafter, stats
+        self.guard = StopGuard(criteria, prompt.shape[0])
+        self.hidden = None
+        self.scores, self.logits = [], []
+
+    @property
+    def tokens(self) -> list[int]:
+        """The row's own tokens (no padding): what drafters and rescorers read."""
+        return self.sequence[0, self.pad:].tolist()
+
+    def accept(self, tokens: list[int], step_logits, step_scores, keep_scores: bool, keep_logits: bool) -> None:
+        start = self.sequence.shape[1]
+        new = torch.tensor([tokens], dtype=self.sequence.dtype, device=self.sequence.device)
+        self.sequence = torch.cat([self.sequence, new], dim=1)
+        stop = self.guard.first_stop(self.sequence)
+        if stop is not None:
+            self.sequence = self.sequence[:, :stop]
+        kept = self.sequence.shape[1] - start
+        if keep_scores:
+            self.scores.extend(step_scores[:kept])
+        if keep_logits:
+            self.logits.extend(step_logits[:kept])
+
+
+def _choose(scores: torch.Tensor, do_sample: bool) -> int:
+    if do_sample:
+        return int(torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1))
+    return int(scores.argmax(-1))
+
+
+class RaggedCache:
+    """The batch's `DynamicCache` plus which slots hold which row's tokens (see the module docstring)."""
+
+    def __init__(self, cache, valid: torch.Tensor):
+        self.cache, self.valid = cache, valid  # valid: (rows, P) bool
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[1]
+
+    def counts(self) -> torch.Tensor:
+        return self.valid.sum(-1)
+
+    def _layers(self):
+        return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None
+                and layer.keys.numel() > 0]
+
+    def keep_tail(self, block: int, kept: list[list[int]]) -> None:
+        """After a verification of `block` slots per row: keep row r's block slots `kept[r]` (in order), cut the
+        tail to the longest kept list."""
+        width = max(len(k) for k in kept)
+        device = self.valid.device
+        index = torch.tensor([k + [0] * (width - len(k)) for k in kept], device=device)
+        for layer in self._layers():
+            past = layer.keys.shape[-2] - block
+            gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1]) + past
+            layer.keys = torch.cat([layer.keys[..., :past, :], layer.keys.gather(2, gather)], dim=2)
+            layer.values = torch.cat([layer.values[..., :past, :], layer.values.gather(2, gather)], dim=2)
+        tail = torch.arange(width, device=device)[None] < torch.tensor([len(k) for k in kept], device=device)[:, None]
+        self.valid = torch.cat([self.valid, tail], dim=1)
+        if 1 - float(self.valid.float().mean()) > COMPACT_HOLES:
+            self.compact()
+
+    def compact(self) -> None:
+        """Gather every row's valid slots to the right end (left padding): no holes."""
+        counts = self.counts()
+        width = int(counts.max())
+        order = torch.sort(self.valid.long(), dim=1, stable=True).indices[:, -width:]  # valid slots last, in order
+        for layer in self._layers():
+            gather = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
+        self.valid = torch.arange(width, device=self.valid.device)[None] >= (width - counts)[:, None]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (finished rows leave)."""
+        for layer in self._layers():
+            layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+        self.valid = self.valid.index_select(0, rows)
+
+
+def _block_masks(trees: list[DraftTree], ragged: RaggedCache, width: int, dtype, layer_types, sliding_window):
+    """`(tokens' depths (rows, Q), additive masks)` for one verification: row r's block sees its valid slots and its
+    tree's ancestors; padding positions see only themselves."""
+    rows, past, device = len(trees), ragged.length, ragged.valid.device
+    allowed = torch.zeros(rows, width, past + width, dtype=torch.bool, device=device)
+    allowed[:, :, :past] = ragged.valid[:, None, :]
+    depths = torch.arange(width, device=device).repeat(rows, 1)
+    for r, tree in enumerate(trees):
+        q = len(tree) + 1
+        allowed[r, :q, past: past + q] = tree.ancestors_mask().to(device)
+        depths[r, :q] = tree.block_depths().to(device)
+        pad = torch.arange(q, width, device=device)
+        allowed[r, pad, past + pad] = True
+    types = set(layer_types or ["full_attention"])
+    unknown = types - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise BPDConfigError(f"batched drafting does not support {sorted(unknown)} layers: pass use_heads=False")
+    masks = {}
+    for kind in types:
+        kind_allowed = allowed
+        if kind == "sliding_attention" and sliding_window:
+            key_pos = torch.cat([ragged.valid.long().cumsum(-1) - 1,
+                                 ragged.counts()[:, None] + depths], dim=1)  # each key's position in its row
+            query_pos = ragged.counts()[:, None] + depths
+            kind_allowed = allowed & ((query_pos[:, :, None] - key_pos[:, None, :]) < sliding_window)
+        mask = torch.zeros(rows, 1, width, past + width, dtype=dtype, device=device)
+        mask.masked_fill_(~kind_allowed[:, None], torch.finfo(dtype).min)
+        masks[kind] = mask
+    return depths, (masks["full_attention"] if set(masks) == {"full_attention"} else masks)
+
+
+def decode_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, plan, attention_mask):
+    """Decode every row of `input_ids` (left-padded, `attention_mask` marking the padding) with drafting; returns
+    what transformers' batched `generate()` returns (rows that stop early are right-padded with the pad token)."""
+    from transformers.cache_utils import DynamicCache
+
+    if (generation_config.num_beams or 1) > 1:
+        raise BPDConfigError("beam search cannot be combined with drafting heads: use num_beams=1 or use_heads=False")
+    if plan.streamer is not None:
+        raise BPDConfigError("a streamer with a batch of prompts: transformers' streamers take one sequence; stream "
+                             "one prompt at a time, or drop the streamer")
+    base = model.base_lm
+    text_config = base.config.get_text_config(decoder=True)
+    layer_types = getattr(text_config, "layer_types", None)
+    sliding_window = getattr(text_config, "sliding_window", None)
+    do_sample = generation_config.do_sample
+    keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+    keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+    device, batch = input_ids.device, input_ids.shape[0]
+    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    if bool((mask[:, -1] == 0).any()):
+        raise BPDConfigError("batched drafting needs left padding: tokenize with padding_side='left'")
+    pads = (mask == 0).sum(-1).tolist()
+
+    stats = plan.stats
+    stats.rows = []
+    rows = []
+    for r in range(batch):
+        drafter = copy.copy(plan.drafter)
+        if getattr(drafter, "rescorer", None) is not None:
+            drafter.rescorer = drafter.rescorer.for_call()
+            drafter.rescorer.reset()
+        drafter.share_slots, drafter.head_top = False, None  # eager verification
+        row_stats = GenerationStats(method=stats.method)
+        stats.rows.append(row_stats)
+        rows.append(_Row(r, input_ids[r], pads[r], drafter, stopping_criteria, row_stats))
+
+    # The prompt pass: one forward over the left-padded batch; a row's positions count its own tokens.
+    cache = DynamicCache()  # full-length layers for every layer type: the masks bound sliding windows
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                use_cache=True, return_head_logits=False, logits_to_keep=1)
+    ragged = RaggedCache(cache, mask.bool())
+    logits = out.logits[:, -1].float()
+    for r, row in enumerate(rows):
+        processed = logits_processor(row.sequence, logits[r: r + 1].clone())
+        row.stats.accepted_lengths.append(0)
+        row.stats.draft_tokens.append(0)
+        row.hidden = out.last_hidden_state[r, -1]
+        row.accept([_choose(processed[0], do_sample)], [logits[r: r + 1]], [processed], keep_scores, keep_logits)
+    forward_passes = 1
+
+    active = [row for row in rows if row.guard.stop_length is None]
+    ragged.select(torch.tensor([row.index for row in active], dtype=torch.long, device=device))
+    while active:
+        start = time.perf_counter()
+        trees = []
+        for row in active:
+            room = generation_config.max_length - row.sequence.shape[1] - 1
+            drafts, probs = row.drafter.drafts(row.hidden, row.tokens, room)
+            row.stats.draft_probs.append(probs)
+            trees.append(DraftTree(drafts))
+        stats.draft_seconds += time.perf_counter() - start
+        width = max(len(t) for t in trees) + 1
+        tokens = torch.zeros(len(active), width, dtype=torch.long, device=device)
+        for r, (row, tree) in enumerate(zip(active, trees)):
+            tokens[r, : len(tree) + 1] = torch.tensor([int(row.sequence[0, -1])] + tree.tokens)
+        depths, masks = _block_masks(trees, ragged, width, base.dtype, layer_types, sliding_window)
+        positions = ragged.counts()[:, None] + depths
+        out = model(input_ids=tokens, attention_mask=masks, position_ids=positions, past_key_values=ragged.cache,
+                    use_cache=True, return_head_logits=False)
+        block_logits, block_hidden = out.logits.float(), out.last_hidden_state
+
+        kept_slots = []
+        for r, (row, tree) in enumerate(zip(active, trees)):
+            node, position, path, step_logits, step_scores, new = -1, 0, [], [], [], []
+            while True:  # walk down the row's tree while the base's own choice is a child
+                context = torch.cat([row.sequence, torch.tensor([new], dtype=row.sequence.dtype, device=device)], 1)
+                logits = block_logits[r, position][None]
+                processed = logits_processor(context, logits.clone())
+                token = _choose(processed[0], do_sample)
+                new.append(token)
+                step_logits.append(logits)
+                step_scores.append(processed)
+                child = tree.children[node].get(token)
+                if child is None:
+                    break
+                node, position = child, child + 1
+                path.append(child)
+            kept_slots.append([0] + [c + 1 for c in path])
+            row.hidden = block_hidden[r, position]
+            row.stats.accepted_lengths.append(len(path))
+            row.stats.draft_tokens.append(len(tree))
+            row.accept(new, step_logits, step_scores, keep_scores, keep_logits)
+        ragged.keep_tail(width, kept_slots)
+        forward_passes += 1
+        still = [r for r, row in enumerate(active) if row.guard.stop_length is None]
+        if len(still) < len(active):
+            ragged.select(torch.tensor(still, dtype=torch.long, device=device))
+            active = [active[r] for r in still]
+
+    for row in rows:
+        row.stats.new_tokens = row.sequence.shape[1] - input_ids.shape[1]
+        row.stats.total_seconds = float("nan")  # rows share every forward pass: time is the batch's
+    stats.new_tokens = sum(row.stats.new_tokens for row in rows)
+    stats.accepted_lengths = [n for row in rows for n in row.stats.accepted_lengths]
+    stats.draft_tokens = [n for row in rows for n in row.stats.draft_tokens]
+    stats.draft_probs = [p for row in rows for p in row.stats.draft_probs]
+    stats.forward_passes = forward_passes
+    pad_id = generation_config._pad_token_tensor
+    pad_id = int(pad_id.flatten()[0]) if pad_id is not None else (generation_config.pad_token_id or 0)
+    length = max(row.sequence.shape[1] for row in rows)
+    sequences = torch.full((batch, length), pad_id, dtype=input_ids.dtype, device=device)
+    for r, row in enumerate(rows):
+        sequences[r, : row.sequence.shape[1]] = row.sequence[0]
+    if not generation_config.return_dict_in_generate:
+        return sequences
+
+    def per_step(lists):  # transformers' layout: one (batch, vocab) tensor per new-token index
+        steps = max(len(x) for x in lists)
+        vocab = next(x[0].shape[-1] for x in lists if x)
+        filler = torch.full((1, vocab), float("-inf"), device=device)
+        return tuple(torch.cat([x[t] if t < len(x) else filler for x in lists], dim=0) for t in range(steps))
+
+    return BlockwiseGenerateOutput(
+        sequences=sequences,
+        scores=per_step([row.scores for row in rows]) if keep_scores else None,
+        logits=per_step([row.logits for row in rows]) if keep_logits else None,
+        past_key_values=None,  # the batch's cache holds holes and finished rows are gone: not reusable
+        generation_stats=stats,
+    )

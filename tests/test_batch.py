@@ -1,0 +1,207 @@
+"""A batch of prompts in one `generate()`: every row equals the base's own `generate()` for that prompt alone
+(greedy), rows accept different numbers of tokens per step, finish at different times, and sampling keeps the base's
+distribution per row.
+
+Floating-point sums over a padded batch differ from a lone sequence's in the last bits, so a row may leave the lone
+output only where the base's two best logits are within `TIE` of each other (as transformers' own batched decoding
+may); the tests check every difference is such a near-tie, and count them.
+"""
+
+import pytest
+import torch
+from transformers.generation import TextStreamer
+
+from hf_bpd import BlockwiseParallelForCausalLM, BPDConfigError, Rescorer
+from hf_bpd.lattice import Draft
+from tests.conftest import ARCHS, VOCAB, tiny_base
+from tests.test_decoding import MODES, random_bpd
+from tests.test_sampling import NEW, PROMPT, V, chi2_pvalue, exact_joint
+from tests.test_sampling import model  # noqa: F401 - the sampling test's fixture
+
+TIE = 1e-4
+PAD = 0
+
+
+def left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):], mask[r, width - len(p):] = p, 1
+    return ids, mask
+
+
+def random_prompts(count: int, seed: int, longest: int = 40) -> list[torch.Tensor]:
+    """Prompts of very different lengths (1 to `longest` tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, longest + 1, (count,), generator=g).tolist()
+    lengths[0] = 1 if seed % 2 else longest  # always one extreme
+    return [torch.randint(3, VOCAB, (n,), generator=g) for n in lengths]
+
+
+class ReferenceRescorer(Rescorer):
+    """Knows every prompt's lone greedy continuation; drafts it, corrupted at a position that depends on the row and
+    step, so rows accept different lengths at every step (0 to all heads)."""
+
+    def __init__(self, references: dict[tuple, list[int]]):
+        self.references = references
+
+    def rescore(self, lattice, context, num_drafts):
+        n = lattice.num_heads
+        reference = next(ref for prompt, ref in self.references.items() if tuple(context[: len(prompt)]) == prompt
+                         and len(ref) >= len(context))
+        truth = list(reference[len(context): len(context) + n]) + [3] * n
+        wrong = (len(context) * 7 + len(reference)) % (n + 2)  # n or n + 1: nothing corrupted
+        if wrong < n:
+            truth[wrong] = (truth[wrong] + 1) % VOCAB
+        return [Draft(tuple(truth[:n]), 0.0)]
+
+
+def check_rows(model, prompts, output, prompt_width, kwargs) -> int:
+    """Every row against the base's lone generate(); returns how many rows differ (each only at a near-tie)."""
+    differ = 0
+    for r, prompt in enumerate(prompts):
+        alone = model.base_lm.generate(prompt[None], **kwargs, output_scores=True, return_dict_in_generate=True)
+        expected = alone.sequences[0, len(prompt):]
+        got = output[r, prompt_width: prompt_width + len(expected)]
+        if torch.equal(got, expected):
+            continue
+        differ += 1
+        step = int((got != expected).nonzero()[0])
+        top = alone.scores[step][0].float().topk(2).values
+        assert float(top[0] - top[1]) <= TIE * max(1.0, abs(float(top[0]))), (
+            f"row {r} (prompt of {len(prompt)}) left the base's output at new token {step}, not a near-tie")
+    return differ
+
+
+@pytest.mark.parametrize("batch_size", [2, 4, 8, 16])
+def test_rows_equal_the_lone_greedy_output(batch_size):
+    """13 prompt sets per batch size (52 in all), 4 architectures x chain / p-best / tree drafting, prompts of 1 to
+    40 tokens in one batch."""
+    differ = total = 0
+    modes = sorted(MODES)
+    for s in range(13):
+        arch, mode = ARCHS[s % len(ARCHS)], modes[s % len(modes)]
+        model = random_bpd(arch, s % 4)
+        prompts = random_prompts(batch_size, seed=100 * batch_size + s)
+        ids, mask = left_padded(prompts)
+        kwargs = dict(max_new_tokens=12 + s % 7, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+        out = model.generate(ids, attention_mask=mask, **MODES[mode], **kwargs)
+        differ += check_rows(model, prompts, out, ids.shape[1], kwargs)
+        total += batch_size
+    assert differ <= total // 50, f"{differ} of {total} rows differ (at near-ties)"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ragged_acceptance_every_step(arch, monkeypatch):
+    """Rows accept 0..all drafted tokens in the same step (a rescorer that knows the answers, corrupted per row and
+    step), the cache is cut and compacted, and every row stays exact."""
+    from hf_bpd.generation.batch import RaggedCache
+
+    compactions, compact = [], RaggedCache.compact
+    monkeypatch.setattr(RaggedCache, "compact", lambda self: (compactions.append(1), compact(self)))
+    model = random_bpd(arch, 0)
+    prompts = random_prompts(6, seed=7, longest=30)
+    kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    references = {tuple(p.tolist()): model.base_lm.generate(p[None], **kwargs)[0].tolist() for p in prompts}
+    ids, mask = left_padded(prompts)
+    out = model.generate(ids, attention_mask=mask, rescorer=ReferenceRescorer(references), draft_top_k=2, **kwargs)
+    assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
+    stats = model.last_generation_stats
+    rows = stats.rows
+    assert len(rows) == 6 and all(row.new_tokens == 40 for row in rows)
+    assert all(row.block_efficiency > 1.5 for row in rows)
+    per_step = list(zip(*[row.accepted_lengths[1:] for row in rows]))
+    assert any(len(set(step)) > 2 for step in per_step)  # ragged: rows accepted different lengths together
+    assert compactions  # holes piled up past COMPACT_HOLES and the cache was compacted mid-decoding
+    assert stats.forward_passes < 40 and stats.block_efficiency == pytest.approx(
+        sum(r.new_tokens for r in rows) / sum(r.serial_calls for r in rows))
+
+
+def test_rows_stop_at_their_own_eos_and_leave_the_batch():
+    model = random_bpd("llama", 1)
+    prompts = random_prompts(5, seed=3)
+    lone = [model.base_lm.generate(p[None], max_new_tokens=30, do_sample=False, eos_token_id=None)[0, len(p):]
+            for p in prompts]
+    tokens = lone[2].tolist()
+    stop = next(i for i in range(2, 30) if tokens[i] not in tokens[:i])  # row 2's first EOS: its new token `stop`
+    ids, mask = left_padded(prompts)
+    kwargs = dict(max_new_tokens=30, do_sample=False, eos_token_id=tokens[stop], pad_token_id=PAD)
+    out = model.generate(ids, attention_mask=mask, **kwargs)
+    assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
+    row2 = out[2, ids.shape[1]:].tolist()
+    assert row2[: stop + 1] == tokens[: stop + 1] and set(row2[stop + 1:]) <= {PAD}  # right-padded after its EOS
+    stats = model.last_generation_stats
+    assert stats.rows[2].new_tokens == stop + 1 and max(r.new_tokens for r in stats.rows) > stop + 1
+
+
+def test_scores_and_stats_per_row():
+    model = random_bpd("qwen2", 2)
+    prompts = random_prompts(3, seed=11)
+    ids, mask = left_padded(prompts)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                         pad_token_id=PAD, return_dict_in_generate=True, output_scores=True)
+    assert len(out.scores) == 8 and out.scores[0].shape == (3, VOCAB)
+    plain = model.base_lm.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                   pad_token_id=PAD, return_dict_in_generate=True, output_scores=True)
+    assert torch.equal(out.sequences, plain.sequences)  # transformers' batched plain decoding, same padding
+    for ours, theirs in zip(out.scores, plain.scores):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert out.generation_stats.method.endswith("+batch") and len(out.generation_stats.rows) == 3
+
+
+def test_batch_errors_are_one_line():
+    model = random_bpd("llama", 0)
+    ids, mask = left_padded(random_prompts(2, seed=1))
+    right = torch.stack([mask[0].flip(0), mask[1].flip(0)])
+    with pytest.raises(BPDConfigError, match="needs left padding"):
+        model.generate(ids, attention_mask=right, max_new_tokens=4, pad_token_id=PAD)
+    with pytest.raises(BPDConfigError, match="streamer with a batch"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=PAD,
+                       streamer=TextStreamer(tokenizer=None))
+
+
+@pytest.mark.parametrize("temperature", [1.0])
+def test_batched_sampling_matches_the_base_distribution(model, temperature):  # noqa: F811
+    """Rows of one batch are independent samples of the base's distribution, whatever their padding: two prompts
+    (the second a shorter, left-padded one) x 4 rows each per call."""
+    short = PROMPT[:, 1:]
+    ids = torch.cat([PROMPT.repeat(4, 1), torch.cat([torch.zeros(4, 1, dtype=torch.long), short.repeat(4, 1)], 1)])
+    mask = torch.ones_like(ids)
+    mask[4:, 0] = 0
+    counts = [{}, {}]
+    torch.manual_seed(4321)
+    calls = 5000 // 4
+    for _ in range(calls):
+        out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0,
+                             max_new_tokens=NEW, pad_token_id=0)
+        for r in range(8):
+            outcome = tuple(out[r, ids.shape[1]:].tolist())
+            counts[r // 4][outcome] = counts[r // 4].get(outcome, 0) + 1
+    for group, prompt in zip(counts, (PROMPT, short)):
+        probs = exact_joint_for(model.base_lm, prompt, temperature)
+        p = chi2_pvalue(group, probs)
+        assert p > 1e-3, f"batched sampling for prompt {prompt.tolist()} differs from the base (p={p:.2e})"
+
+
+def exact_joint_for(base, prompt, temperature):
+    import tests.test_sampling as sampling
+
+    saved = sampling.PROMPT
+    sampling.PROMPT = prompt
+    try:
+        return exact_joint(base, temperature)
+    finally:
+        sampling.PROMPT = saved
+
+
+def test_batched_bpd_with_a_plain_base_layout_model(tmp_path):
+    """A model loaded from disk with the real loading path and a batch of two, as a user would call it."""
+    base_dir = tmp_path / "base"
+    tiny_base("gemma3").save_pretrained(base_dir)
+    model = BlockwiseParallelForCausalLM.from_base(str(base_dir), num_heads=3)
+    prompts = [torch.arange(3, 3 + 20) % V + 3, torch.tensor([5, 6, 7])]
+    ids, mask = left_padded(prompts)
+    kwargs = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    out = model.generate(ids, attention_mask=mask, **kwargs)  # sliding window 8 < 30 new tokens
+    assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
