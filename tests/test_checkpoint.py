@@ -90,3 +90,31 @@ def test_readme_main_job_prints_text_block_efficiency_and_speedup(shipped, capsy
     assert "block efficiency:" in out and "speed-up:" in out and "identical output: True" in out
     assert "| plain greedy generate() |" in out and "| bpd (heads' top-1 draft) |" in out
     assert "| bpd + ngram + lookup (above) |" in out and "| NO |" not in out
+
+
+def test_shipped_gemma_checkpoint_is_exact_and_drafts(tmp_path):
+    """The second packaged base: gemma-3-270m heads (bf16-stored, loaded in the base's fp32) with their bundled
+    4-gram; a batch of two prompts too (sliding-window layers, batched drafting)."""
+    from tests.test_batch import left_padded
+
+    gemma = CHECKPOINT.parent / "gemma-3-270m-bpd"
+    model = BlockwiseParallelForCausalLM.from_pretrained(gemma)
+    tokenizer = hf_bpd.load_tokenizer(str(gemma))
+    assert model.config.base_model_name_or_path == "gemma-3-270m" and set(model.config.rescorers) == {"ngram"}
+    assert {p.dtype for p in model.heads.parameters()} == {torch.float32}
+    prompts = [tokenizer(p, return_tensors="pt")["input_ids"][0] for p in
+               ("Question: A shop sells 3 apples for 2 dollars. How much do 12 apples cost?\nAnswer:",
+                "def fibonacci(n):")]
+    accepted = 0
+    for ids in prompts:
+        want = model.base_lm.generate(ids[None], max_new_tokens=32, do_sample=False)
+        for options in ({}, {"rescorer": None}, {"num_drafts": 4}):
+            assert torch.equal(model.generate(ids[None], max_new_tokens=32, do_sample=False, **options), want)
+            accepted += sum(model.last_generation_stats.accepted_lengths)
+    assert accepted > 0
+    batch, mask = left_padded(prompts)
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=32, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id)
+    for r, ids in enumerate(prompts):
+        want = model.base_lm.generate(ids[None], max_new_tokens=32, do_sample=False)[0, len(ids):]
+        assert torch.equal(out[r, batch.shape[1]: batch.shape[1] + len(want)], want)

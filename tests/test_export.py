@@ -88,3 +88,23 @@ def test_export_command(tmp_path, capsys):
     BlockwiseParallelForCausalLM.from_base(str(base_dir), num_heads=2, head_type="ffn").save_pretrained(tmp_path / "f")
     assert main(["export", str(tmp_path / "f"), "--output", str(tmp_path / "m2")]) == 2
     assert "ffn heads cannot be exported" in capsys.readouterr().err
+
+
+def test_the_shipped_resblock_checkpoint_exports_and_drafts_the_same(tmp_path):
+    """The second shipped checkpoint (resblock heads for SmolLM2): exported, vLLM's Medusa forward on SmolLM2's real
+    hidden states proposes what hf_bpd's heads propose."""
+    from pathlib import Path
+
+    checkpoint = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct-bpd-resblock"
+    assert main(["export", str(checkpoint), "--output", str(tmp_path / "medusa"), "--threads", "2"]) == 0
+    model = BlockwiseParallelForCausalLM.from_pretrained(checkpoint)
+    config = json.loads((tmp_path / "medusa" / "config.json").read_text())
+    assert config["truncated_vocab_size"] == 8192 < config["vocab_size"] and config["original_lm_head"] is True
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 7018, 314, 2, 198, 1]])
+    with torch.no_grad():
+        hidden = model(ids, return_head_logits=False).last_hidden_state[0]
+        ours = torch.stack([model.heads.to_vocab_ids(model.heads.step_logits(h).argmax(-1)) for h in hidden], dim=1)
+    assert torch.equal(ours, vllm_medusa_proposals(tmp_path / "medusa", hidden))
+    out = model.generate(ids, max_new_tokens=24, do_sample=False)  # and it decodes exactly, drafting
+    assert torch.equal(out, model.base_lm.generate(ids, max_new_tokens=24, do_sample=False))
+    assert model.last_generation_stats.block_efficiency > 1.0

@@ -100,8 +100,10 @@ class RaggedCache:
         for layer in self._layers():
             past = layer.keys.shape[-2] - block
             gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1]) + past
-            layer.keys = torch.cat([layer.keys[..., :past, :], layer.keys.gather(2, gather)], dim=2)
-            layer.values = torch.cat([layer.values[..., :past, :], layer.values.gather(2, gather)], dim=2)
+            for name in ("keys", "values"):  # the tail only, in place; the cut is a view (the next append copies)
+                states = getattr(layer, name)
+                states[..., past: past + width, :] = states.gather(2, gather)
+                setattr(layer, name, states[..., : past + width, :])
         tail = torch.arange(width, device=device)[None] < torch.tensor([len(k) for k in kept], device=device)[:, None]
         self.valid = torch.cat([self.valid, tail], dim=1)
         if 1 - float(self.valid.float().mean()) > COMPACT_HOLES:
