@@ -33,7 +33,7 @@ import torch
 from ..errors import BPDConfigError
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import StopGuard
-from .tree import DraftTree
+from .tree import DraftTree, choose_token, walk
 
 COMPACT_HOLES = 0.25  # compact the cache when this share of its slots are holes
 
@@ -66,12 +66,6 @@ class _Row:
             self.scores.extend(step_scores[:kept])
         if keep_logits:
             self.logits.extend(step_logits[:kept])
-
-
-def _choose(scores: torch.Tensor, do_sample: bool) -> int:
-    if do_sample:
-        return int(torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1))
-    return int(scores.argmax(-1))
 
 
 class RaggedCache:
@@ -205,7 +199,7 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
         row.stats.accepted_lengths.append(0)
         row.stats.draft_tokens.append(0)
         row.hidden = out.last_hidden_state[r, -1]
-        row.accept([_choose(processed[0], do_sample)], [logits[r: r + 1]], [processed], keep_scores, keep_logits)
+        row.accept([choose_token(processed[0], do_sample)], [logits[r: r + 1]], [processed], keep_scores, keep_logits)
     forward_passes = 1
 
     active = [row for row in rows if row.guard.stop_length is None]
@@ -231,20 +225,8 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
 
         kept_slots = []
         for r, (row, tree) in enumerate(zip(active, trees)):
-            node, position, path, step_logits, step_scores, new = -1, 0, [], [], [], []
-            while True:  # walk down the row's tree while the base's own choice is a child
-                context = torch.cat([row.sequence, torch.tensor([new], dtype=row.sequence.dtype, device=device)], 1)
-                logits = block_logits[r, position][None]
-                processed = logits_processor(context, logits.clone())
-                token = _choose(processed[0], do_sample)
-                new.append(token)
-                step_logits.append(logits)
-                step_scores.append(processed)
-                child = tree.children[node].get(token)
-                if child is None:
-                    break
-                node, position = child, child + 1
-                path.append(child)
+            new, path, position, step_logits, step_scores = walk(tree, block_logits[r], row.sequence,
+                                                                 logits_processor, do_sample)
             kept_slots.append([0] + [c + 1 for c in path])
             row.hidden = block_hidden[r, position]
             row.stats.accepted_lengths.append(len(path))

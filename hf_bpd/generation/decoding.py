@@ -35,7 +35,7 @@ from .config import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS, DraftingOp
 from .drafting import BlockDrafter, NoDrafter
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import StopGuard
-from .tree import DraftTree, parse_tree
+from .tree import DraftTree, choose_token, parse_tree, walk
 from .verify import _RUNNERS, EagerVerifier, compiled_verifier, head_top_k
 
 
@@ -203,12 +203,6 @@ def check_supported(input_ids, generation_config, model_kwargs, compiled: bool =
                              "verification pass covers several tokens): pass use_heads=False to get them")
 
 
-def _choose(scores: torch.Tensor, do_sample: bool) -> int:
-    if do_sample:
-        return int(torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1))
-    return int(scores.argmax(-1))
-
-
 @torch.no_grad()
 def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, *,
                        plan: DecodingPlan, **model_kwargs):
@@ -294,7 +288,7 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
     processed = logits_processor(input_ids, logits.clone())
     stats.accepted_lengths.append(0)
     stats.draft_tokens.append(0)
-    accept([_choose(processed[0], do_sample)], [logits], [processed])
+    accept([choose_token(processed[0], do_sample)], [logits], [processed])
 
     while guard.stop_length is None:
         start = time.perf_counter()
@@ -313,22 +307,8 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
         block_logits = block_logits.float()
 
         # Walk down the tree while the base's own choice is a child of the current node.
-        node, position, path, step_logits, step_scores, tokens = -1, 0, [], [], [], []
-        while True:
-            context = torch.cat([sequence, torch.tensor([tokens], dtype=sequence.dtype,
-                                                        device=sequence.device)], dim=1)
-            logits = block_logits[position][None]
-            processed = logits_processor(context, logits.clone())
-            token = _choose(processed[0], do_sample)
-            tokens.append(token)
-            step_logits.append(logits)
-            step_scores.append(processed)
-            child = tree.children[node].get(token)
-            if child is None:
-                break
-            node, position = child, child + 1
-            path.append(child)
-
+        tokens, path, position, step_logits, step_scores = walk(tree, block_logits, sequence, logits_processor,
+                                                                do_sample)
         verifier.keep(len(tree) + 1, [0] + [c + 1 for c in path])
         hidden = block_hidden[position]
         stats.accepted_lengths.append(len(path))

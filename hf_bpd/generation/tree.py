@@ -123,6 +123,35 @@ class DraftTree:
         return torch.tensor([0] + self.depths, dtype=torch.long)
 
 
+def choose_token(scores: torch.Tensor, do_sample: bool) -> int:
+    """The base's own choice from processed scores `(vocab,)`: argmax, or a sample of their softmax."""
+    if do_sample:
+        return int(torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1))
+    return int(scores.argmax(-1))
+
+
+def walk(tree: DraftTree, block_logits: torch.Tensor, sequence: torch.Tensor, logits_processor, do_sample: bool):
+    """Accept along `tree`: from the root, take the base's own (processed, greedy or sampled) choice at the current
+    node's block position (`block_logits` `(q, vocab)`, `sequence` `(1, len)` the context before the block) and move
+    down while a child carries it. Returns `(tokens, path, position, step_logits, step_scores)`: the decoded tokens
+    (the accepted drafts plus the base's own next token), the accepted node indices, the block position of the last
+    one (whose hidden state drafts next), and each token's raw and processed logits `(1, vocab)`."""
+    node, position, path, step_logits, step_scores, tokens = -1, 0, [], [], [], []
+    while True:
+        context = torch.cat([sequence, torch.tensor([tokens], dtype=sequence.dtype, device=sequence.device)], dim=1)
+        logits = block_logits[position][None]
+        processed = logits_processor(context, logits.clone())
+        token = choose_token(processed[0], do_sample)
+        tokens.append(token)
+        step_logits.append(logits)
+        step_scores.append(processed)
+        child = tree.children[node].get(token)
+        if child is None:
+            return tokens, path, position, step_logits, step_scores
+        node, position = child, child + 1
+        path.append(child)
+
+
 def tree_attention_masks(tree: DraftTree, cache, past_length: int, layer_types: list[str] | None,
                          sliding_window: int | None, dtype: torch.dtype, device) -> torch.Tensor | dict:
     """Additive 4D masks `(1, 1, q, kv)` for verifying `tree` on top of `cache` (holding `past_length` tokens).
