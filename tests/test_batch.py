@@ -10,6 +10,7 @@ may); the tests check every difference is such a near-tie, and count them.
 import pytest
 import torch
 from transformers.generation import TextStreamer
+from transformers.generation.streamers import BaseStreamer
 
 from hf_bpd import BlockwiseParallelForCausalLM, BPDConfigError, Rescorer
 from hf_bpd.lattice import Draft
@@ -76,16 +77,16 @@ def check_rows(model, prompts, output, prompt_width, kwargs) -> int:
 
 @pytest.mark.parametrize("batch_size", [2, 4, 8, 16])
 def test_rows_equal_the_lone_greedy_output(batch_size):
-    """13 prompt sets per batch size (52 in all), 4 architectures x chain / p-best / tree drafting, prompts of 1 to
-    40 tokens in one batch."""
+    """50 prompt sets per batch size, 4 architectures x chain / p-best / tree drafting, prompts of 1 to 40 tokens in
+    one batch."""
     differ = total = 0
     modes = sorted(MODES)
-    for s in range(13):
+    for s in range(50):
         arch, mode = ARCHS[s % len(ARCHS)], modes[s % len(modes)]
         model = random_bpd(arch, s % 4)
         prompts = random_prompts(batch_size, seed=100 * batch_size + s)
         ids, mask = left_padded(prompts)
-        kwargs = dict(max_new_tokens=12 + s % 7, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+        kwargs = dict(max_new_tokens=8 + s % 9, do_sample=False, eos_token_id=None, pad_token_id=PAD)
         out = model.generate(ids, attention_mask=mask, **MODES[mode], **kwargs)
         differ += check_rows(model, prompts, out, ids.shape[1], kwargs)
         total += batch_size
@@ -156,9 +157,41 @@ def test_batch_errors_are_one_line():
     right = torch.stack([mask[0].flip(0), mask[1].flip(0)])
     with pytest.raises(BPDConfigError, match="needs left padding"):
         model.generate(ids, attention_mask=right, max_new_tokens=4, pad_token_id=PAD)
-    with pytest.raises(BPDConfigError, match="streamer with a batch"):
+    with pytest.raises(BPDConfigError, match="streams to one streamer per row"):
         model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=PAD,
                        streamer=TextStreamer(tokenizer=None))
+
+
+class Recorder(BaseStreamer):
+    def __init__(self):
+        self.tokens, self.ended = [], 0
+
+    def put(self, value):
+        self.tokens += value.flatten().tolist()
+
+    def end(self):
+        self.ended += 1
+
+
+def test_each_row_streams_to_its_own_streamer():
+    """`streamer=[one per prompt]`: each gets its row's own prompt, then exactly its accepted tokens (up to its EOS),
+    and is ended once, when its row stops."""
+    model = random_bpd("qwen2", 1)
+    prompts = random_prompts(3, seed=5)
+    ids, mask = left_padded(prompts)
+    streamers = [Recorder() for _ in prompts]
+    lone = model.base_lm.generate(prompts[1][None], max_new_tokens=20, do_sample=False, eos_token_id=None)
+    eos = int(lone[0, len(prompts[1]) + 6])  # row 1 stops early, at the first occurrence of this token
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=eos,
+                         pad_token_id=PAD, streamer=streamers)
+    for r, (prompt, streamer) in enumerate(zip(prompts, streamers)):
+        row = out[r, ids.shape[1]:].tolist()
+        if eos in row:
+            row = row[: row.index(eos) + 1]
+        assert streamer.tokens == prompt.tolist() + row and streamer.ended == 1
+    one = Recorder()  # a list of one streamer for a single prompt works too
+    model.generate(prompts[0][None], max_new_tokens=5, do_sample=False, eos_token_id=None, streamer=[one])
+    assert one.ended == 1 and len(one.tokens) == len(prompts[0]) + 5
 
 
 @pytest.mark.parametrize("temperature", [1.0])

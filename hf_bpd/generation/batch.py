@@ -14,7 +14,8 @@ decoding keeps them. The layout here ("ragged rows on one cache"):
 * A row that meets a stopping criterion leaves the batch: its cache row is dropped, so finished rows cost nothing.
 
 Verification is eager (compiled verification runs one sequence). The draft-cost schedule is single-sequence too:
-batches verify every drafted token (`draft_schedule="fixed"`).
+batches verify every drafted token (`draft_schedule="fixed"`). Streaming: one streamer per row
+(`streamer=[...]`), each fed its row's prompt and accepted tokens and ended when the row stops.
 
 Each row is decoded exactly as transformers' batched plain `generate()` decodes it: logits processors and stopping
 criteria see the row's left-padded context, as they do there; for prompts without padding-sensitive processors
@@ -41,13 +42,17 @@ COMPACT_HOLES = 0.25  # compact the cache when this share of its slots are holes
 class _Row:
     """One prompt of the batch: its padded context, drafter, stopping guard and statistics."""
 
-    def __init__(self, index: int, prompt: torch.Tensor, pad: int, drafter, criteria, stats: GenerationStats):
+    def __init__(self, index: int, prompt: torch.Tensor, pad: int, drafter, criteria, stats: GenerationStats,
+                 streamer=None):
         self.index, self.pad = index, pad
         self.sequence = prompt[None]  # (1, padded prompt + new tokens): what processors and criteria see
         self.drafter, self.stats = drafter, stats
         self.guard = StopGuard(criteria, prompt.shape[0])
         self.hidden = None
         self.scores, self.logits = [], []
+        self.streamer = streamer
+        if streamer is not None:
+            streamer.put(prompt[pad:].cpu())  # the row's own prompt (as a lone call streams it), no padding
 
     @property
     def tokens(self) -> list[int]:
@@ -66,6 +71,11 @@ class _Row:
             self.scores.extend(step_scores[:kept])
         if keep_logits:
             self.logits.extend(step_logits[:kept])
+        if self.streamer is not None:
+            if kept > 0:
+                self.streamer.put(self.sequence[0, start:].cpu())
+            if stop is not None:
+                self.streamer.end()
 
 
 class RaggedCache:
@@ -158,9 +168,10 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
 
     if (generation_config.num_beams or 1) > 1:
         raise BPDConfigError("beam search cannot be combined with drafting heads: use num_beams=1 or use_heads=False")
-    if plan.streamer is not None:
-        raise BPDConfigError("a streamer with a batch of prompts: transformers' streamers take one sequence; stream "
-                             "one prompt at a time, or drop the streamer")
+    streamers = plan.streamer
+    if streamers is not None and (not isinstance(streamers, (list, tuple)) or len(streamers) != input_ids.shape[0]):
+        raise BPDConfigError(f"a batch of {input_ids.shape[0]} prompts streams to one streamer per row "
+                             "(transformers' streamers take one sequence): pass streamer=[one per prompt]")
     base = model.base_lm
     text_config = base.config.get_text_config(decoder=True)
     layer_types = getattr(text_config, "layer_types", None)
@@ -185,7 +196,8 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
         drafter.share_slots, drafter.head_top = False, None  # eager verification
         row_stats = GenerationStats(method=stats.method)
         stats.rows.append(row_stats)
-        rows.append(_Row(r, input_ids[r], pads[r], drafter, stopping_criteria, row_stats))
+        rows.append(_Row(r, input_ids[r], pads[r], drafter, stopping_criteria, row_stats,
+                         streamers[r] if streamers is not None else None))
 
     # The prompt pass: one forward over the left-padded batch; a row's positions count its own tokens.
     cache = DynamicCache()  # full-length layers for every layer type: the masks bound sliding windows

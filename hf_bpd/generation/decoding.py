@@ -257,6 +257,10 @@ def _within(drafts: list[tuple[int, ...]], depth: int) -> list[tuple[int, ...]]:
 
 def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan, budget=None):
     stats, drafter, streamer = plan.stats, plan.drafter, plan.streamer
+    if isinstance(streamer, (list, tuple)):  # one streamer per row (batches); a batch of one
+        if len(streamer) != 1:
+            raise BPDConfigError(f"{len(streamer)} streamers for 1 prompt: pass one streamer per prompt")
+        streamer = streamer[0]
     do_sample = generation_config.do_sample
     keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
