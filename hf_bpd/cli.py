@@ -549,15 +549,13 @@ def cmd_export(args) -> int:
     if not _is_heads_checkpoint(args.checkpoint):
         raise ValueError(f"{args.checkpoint} is not a heads checkpoint directory (no config.json with model_type "
                          "blockwise_parallel): pass a directory written by save_pretrained or train_heads")
-    head_type = json.loads((Path(args.checkpoint) / "config.json").read_text()).get("head_type")
-    if head_type != "resblock":  # refused before the base is loaded (the same check as export_heads')
-        raise ValueError(f"{head_type} heads cannot be exported to vLLM's Medusa format, which has only residual "
-                         "x + SiLU(W x) blocks: train heads with --head-type resblock to serve them with vLLM")
+    from .hub.export import check_exportable, export_heads
+
+    check_exportable(json.loads((Path(args.checkpoint) / "config.json").read_text()).get("head_type"))  # before loading
     if Path(args.output).exists() and not Path(args.output).is_dir():
         raise ValueError(f"--output {args.output} is a file: pass a directory")
     import torch
 
-    from .hub.export import export_heads
     from .modeling import BlockwiseParallelForCausalLM
 
     torch.set_num_threads(args.threads)

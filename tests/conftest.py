@@ -90,3 +90,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def differs_at_a_near_tie(got: torch.Tensor, alone, prompt_length: int, tie: float, what: str = "") -> bool:
+    """Compare generated tokens `got` (`(new,)` or longer) with the base's own `alone` (a
+    `generate(..., output_scores=True, return_dict_in_generate=True)` of one prompt): False when equal; when they
+    differ, assert the first difference is at a near-tie of the base's two best logits (within `tie` of the top one,
+    relative, at least 1) -- the only place other floating-point sums may choose differently -- and return True."""
+    expected = alone.sequences[0, prompt_length:]
+    got = got[: len(expected)]
+    if torch.equal(got, expected):
+        return False
+    step = int((got != expected).nonzero()[0])
+    top = alone.scores[step][0].float().topk(2).values
+    assert float(top[0] - top[1]) <= tie * max(1.0, abs(float(top[0]))), (
+        f"{what}: left the base's output at new token {step} where its choice was not a near-tie: {top.tolist()}")
+    return True

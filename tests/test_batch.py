@@ -14,7 +14,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from hf_bpd import BlockwiseParallelForCausalLM, BPDConfigError, Rescorer
 from hf_bpd.lattice import Draft
-from tests.conftest import ARCHS, VOCAB, tiny_base
+from hf_bpd.evaluation.bench import left_pad
+from tests.conftest import ARCHS, VOCAB, differs_at_a_near_tie, tiny_base
 from tests.test_decoding import MODES, random_bpd
 from tests.test_sampling import NEW, PROMPT, V, chi2_pvalue, exact_joint
 from tests.test_sampling import model  # noqa: F401 - the sampling test's fixture
@@ -24,12 +25,8 @@ PAD = 0
 
 
 def left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p):], mask[r, width - len(p):] = p, 1
-    return ids, mask
+    batch = left_pad(prompts, PAD)
+    return batch["input_ids"], batch["attention_mask"]
 
 
 def random_prompts(count: int, seed: int, longest: int = 40) -> list[torch.Tensor]:
@@ -63,15 +60,8 @@ def check_rows(model, prompts, output, prompt_width, kwargs) -> int:
     differ = 0
     for r, prompt in enumerate(prompts):
         alone = model.base_lm.generate(prompt[None], **kwargs, output_scores=True, return_dict_in_generate=True)
-        expected = alone.sequences[0, len(prompt):]
-        got = output[r, prompt_width: prompt_width + len(expected)]
-        if torch.equal(got, expected):
-            continue
-        differ += 1
-        step = int((got != expected).nonzero()[0])
-        top = alone.scores[step][0].float().topk(2).values
-        assert float(top[0] - top[1]) <= TIE * max(1.0, abs(float(top[0]))), (
-            f"row {r} (prompt of {len(prompt)}) left the base's output at new token {step}, not a near-tie")
+        differ += differs_at_a_near_tie(output[r, prompt_width:], alone, len(prompt), TIE,
+                                        f"row {r} (prompt of {len(prompt)})")
     return differ
 
 

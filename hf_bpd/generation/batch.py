@@ -33,49 +33,20 @@ import torch
 
 from ..errors import BPDConfigError
 from .stats import BlockwiseGenerateOutput, GenerationStats
-from .stopping import StopGuard
+from .stopping import DecodedSequence
 from .tree import DraftTree, choose_token, walk
 
 COMPACT_HOLES = 0.25  # compact the cache when this share of its slots are holes
 
 
-class _Row:
-    """One prompt of the batch: its padded context, drafter, stopping guard and statistics."""
+class _Row(DecodedSequence):
+    """One prompt of the batch: its left-padded context growing as it decodes, its drafter and statistics."""
 
     def __init__(self, index: int, prompt: torch.Tensor, pad: int, drafter, criteria, stats: GenerationStats,
-                 streamer=None):
-        self.index, self.pad = index, pad
-        self.sequence = prompt[None]  # (1, padded prompt + new tokens): what processors and criteria see
-        self.drafter, self.stats = drafter, stats
-        self.guard = StopGuard(criteria, prompt.shape[0])
+                 keep_scores: bool, keep_logits: bool, streamer=None):
+        super().__init__(prompt[None], criteria, keep_scores, keep_logits, streamer, pad)
+        self.index, self.drafter, self.stats = index, drafter, stats
         self.hidden = None
-        self.scores, self.logits = [], []
-        self.streamer = streamer
-        if streamer is not None:
-            streamer.put(prompt[pad:].cpu())  # the row's own prompt (as a lone call streams it), no padding
-
-    @property
-    def tokens(self) -> list[int]:
-        """The row's own tokens (no padding): what drafters and rescorers read."""
-        return self.sequence[0, self.pad:].tolist()
-
-    def accept(self, tokens: list[int], step_logits, step_scores, keep_scores: bool, keep_logits: bool) -> None:
-        start = self.sequence.shape[1]
-        new = torch.tensor([tokens], dtype=self.sequence.dtype, device=self.sequence.device)
-        self.sequence = torch.cat([self.sequence, new], dim=1)
-        stop = self.guard.first_stop(self.sequence)
-        if stop is not None:
-            self.sequence = self.sequence[:, :stop]
-        kept = self.sequence.shape[1] - start
-        if keep_scores:
-            self.scores.extend(step_scores[:kept])
-        if keep_logits:
-            self.logits.extend(step_logits[:kept])
-        if self.streamer is not None:
-            if kept > 0:
-                self.streamer.put(self.sequence[0, start:].cpu())
-            if stop is not None:
-                self.streamer.end()
 
 
 class RaggedCache:
@@ -131,8 +102,8 @@ class RaggedCache:
 
 
 def _block_masks(trees: list[DraftTree], ragged: RaggedCache, width: int, dtype, layer_types, sliding_window):
-    """`(tokens' depths (rows, Q), additive masks)` for one verification: row r's block sees its valid slots and its
-    tree's ancestors; padding positions see only themselves."""
+    """`(positions (rows, Q), additive masks)` for one verification: row r's block sits at positions counted from
+    its own tokens, sees its valid slots and its tree's ancestors; padding positions see only themselves."""
     rows, past, device = len(trees), ragged.length, ragged.valid.device
     allowed = torch.zeros(rows, width, past + width, dtype=torch.bool, device=device)
     allowed[:, :, :past] = ragged.valid[:, None, :]
@@ -147,18 +118,17 @@ def _block_masks(trees: list[DraftTree], ragged: RaggedCache, width: int, dtype,
     unknown = types - {"full_attention", "sliding_attention"}
     if unknown:
         raise BPDConfigError(f"batched drafting does not support {sorted(unknown)} layers: pass use_heads=False")
+    positions = ragged.counts()[:, None] + depths
     masks = {}
     for kind in types:
         kind_allowed = allowed
         if kind == "sliding_attention" and sliding_window:
-            key_pos = torch.cat([ragged.valid.long().cumsum(-1) - 1,
-                                 ragged.counts()[:, None] + depths], dim=1)  # each key's position in its row
-            query_pos = ragged.counts()[:, None] + depths
-            kind_allowed = allowed & ((query_pos[:, :, None] - key_pos[:, None, :]) < sliding_window)
+            key_pos = torch.cat([ragged.valid.long().cumsum(-1) - 1, positions], dim=1)  # each key's, in its row
+            kind_allowed = allowed & ((positions[:, :, None] - key_pos[:, None, :]) < sliding_window)
         mask = torch.zeros(rows, 1, width, past + width, dtype=dtype, device=device)
         mask.masked_fill_(~kind_allowed[:, None], torch.finfo(dtype).min)
         masks[kind] = mask
-    return depths, (masks["full_attention"] if set(masks) == {"full_attention"} else masks)
+    return positions, (masks["full_attention"] if set(masks) == {"full_attention"} else masks)
 
 
 def decode_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, plan, attention_mask):
@@ -166,8 +136,6 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
     what transformers' batched `generate()` returns (rows that stop early are right-padded with the pad token)."""
     from transformers.cache_utils import DynamicCache
 
-    if (generation_config.num_beams or 1) > 1:
-        raise BPDConfigError("beam search cannot be combined with drafting heads: use num_beams=1 or use_heads=False")
     streamers = plan.streamer
     if streamers is not None and (not isinstance(streamers, (list, tuple)) or len(streamers) != input_ids.shape[0]):
         raise BPDConfigError(f"a batch of {input_ids.shape[0]} prompts streams to one streamer per row "
@@ -193,10 +161,9 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
         if getattr(drafter, "rescorer", None) is not None:
             drafter.rescorer = drafter.rescorer.for_call()
             drafter.rescorer.reset()
-        drafter.share_slots, drafter.head_top = False, None  # eager verification
         row_stats = GenerationStats(method=stats.method)
         stats.rows.append(row_stats)
-        rows.append(_Row(r, input_ids[r], pads[r], drafter, stopping_criteria, row_stats,
+        rows.append(_Row(r, input_ids[r], pads[r], drafter, stopping_criteria, row_stats, keep_scores, keep_logits,
                          streamers[r] if streamers is not None else None))
 
     # The prompt pass: one forward over the left-padded batch; a row's positions count its own tokens.
@@ -211,10 +178,10 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
         row.stats.accepted_lengths.append(0)
         row.stats.draft_tokens.append(0)
         row.hidden = out.last_hidden_state[r, -1]
-        row.accept([choose_token(processed[0], do_sample)], [logits[r: r + 1]], [processed], keep_scores, keep_logits)
+        row.accept([choose_token(processed[0], do_sample)], [logits[r: r + 1]], [processed])
     forward_passes = 1
 
-    active = [row for row in rows if row.guard.stop_length is None]
+    active = [row for row in rows if not row.stopped]
     ragged.select(torch.tensor([row.index for row in active], dtype=torch.long, device=device))
     while active:
         start = time.perf_counter()
@@ -229,8 +196,7 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
         tokens = torch.zeros(len(active), width, dtype=torch.long, device=device)
         for r, (row, tree) in enumerate(zip(active, trees)):
             tokens[r, : len(tree) + 1] = torch.tensor([int(row.sequence[0, -1])] + tree.tokens)
-        depths, masks = _block_masks(trees, ragged, width, base.dtype, layer_types, sliding_window)
-        positions = ragged.counts()[:, None] + depths
+        positions, masks = _block_masks(trees, ragged, width, base.dtype, layer_types, sliding_window)
         out = model(input_ids=tokens, attention_mask=masks, position_ids=positions, past_key_values=ragged.cache,
                     use_cache=True, return_head_logits=False)
         block_logits, block_hidden = out.logits.float(), out.last_hidden_state
@@ -243,10 +209,10 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
             row.hidden = block_hidden[r, position]
             row.stats.accepted_lengths.append(len(path))
             row.stats.draft_tokens.append(len(tree))
-            row.accept(new, step_logits, step_scores, keep_scores, keep_logits)
+            row.accept(new, step_logits, step_scores)
         ragged.keep_tail(width, kept_slots)
         forward_passes += 1
-        still = [r for r, row in enumerate(active) if row.guard.stop_length is None]
+        still = [r for r, row in enumerate(active) if not row.stopped]
         if len(still) < len(active):
             ragged.select(torch.tensor(still, dtype=torch.long, device=device))
             active = [active[r] for r in still]

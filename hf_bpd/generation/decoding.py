@@ -34,7 +34,7 @@ from .budget import SCHEDULES, DraftBudget, HeadCalibration, eager_costs
 from .config import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS, DraftingOptions, _int_value
 from .drafting import BlockDrafter, NoDrafter
 from .stats import BlockwiseGenerateOutput, GenerationStats
-from .stopping import StopGuard
+from .stopping import DecodedSequence
 from .tree import DraftTree, choose_token, parse_tree, walk
 from .verify import _RUNNERS, EagerVerifier, compiled_verifier, head_top_k
 
@@ -264,27 +264,7 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
     do_sample = generation_config.do_sample
     keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
-    scores, raw_logits = [], []
-    guard = StopGuard(stopping_criteria, input_ids.shape[1])
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
-    sequence = input_ids
-
-    def accept(tokens: list[int], step_logits: list[torch.Tensor], step_scores: list[torch.Tensor]) -> None:
-        nonlocal sequence
-        start = sequence.shape[1]
-        new = torch.tensor([tokens], dtype=sequence.dtype, device=sequence.device)
-        sequence = torch.cat([sequence, new], dim=1)
-        stop = guard.first_stop(sequence)
-        if stop is not None:
-            sequence = sequence[:, :stop]
-        kept = sequence.shape[1] - start
-        if keep_scores:
-            scores.extend(step_scores[:kept])
-        if keep_logits:
-            raw_logits.extend(step_logits[:kept])
-        if streamer is not None and kept > 0:
-            streamer.put(sequence[0, start:].cpu())
+    decoded = DecodedSequence(input_ids, stopping_criteria, keep_scores, keep_logits, streamer)
 
     # The prompt pass decodes the first token and gives the hidden state the first block is drafted from.
     logits, hidden = verifier.prefill(input_ids)
@@ -292,12 +272,13 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
     processed = logits_processor(input_ids, logits.clone())
     stats.accepted_lengths.append(0)
     stats.draft_tokens.append(0)
-    accept([choose_token(processed[0], do_sample)], [logits], [processed])
+    decoded.accept([choose_token(processed[0], do_sample)], [logits], [processed])
 
-    while guard.stop_length is None:
+    while not decoded.stopped:
         start = time.perf_counter()
+        sequence = decoded.sequence
         room = generation_config.max_length - sequence.shape[1] - 1
-        drafts, probs = drafter.drafts(hidden, sequence[0].tolist(), room)
+        drafts, probs = drafter.drafts(hidden, decoded.tokens, room)
         stats.draft_probs.append(probs)
         if budget is not None and drafts:
             steps = len(stats.accepted_lengths)
@@ -317,16 +298,15 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
         hidden = block_hidden[position]
         stats.accepted_lengths.append(len(path))
         stats.draft_tokens.append(len(tree))
-        accept(tokens, step_logits, step_scores)
+        decoded.accept(tokens, step_logits, step_scores)
 
-    if streamer is not None:
-        streamer.end()
+    sequence = decoded.sequence
     cache = verifier.close(sequence.shape[1])
     if generation_config.return_dict_in_generate:
         return BlockwiseGenerateOutput(
             sequences=sequence,
-            scores=tuple(scores) if keep_scores else None,
-            logits=tuple(raw_logits) if keep_logits else None,
+            scores=tuple(decoded.scores) if keep_scores else None,
+            logits=tuple(decoded.logits) if keep_logits else None,
             past_key_values=cache,
             generation_stats=stats,
         )

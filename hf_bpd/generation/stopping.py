@@ -26,6 +26,54 @@ class StopGuard:
         return self.stop_length
 
 
+class DecodedSequence:
+    """A sequence as decoding grows it, one step's accepted tokens at a time, cut at the first length where plain
+    decoding would have stopped (`StopGuard`). Keeps each kept token's processed scores and raw logits when asked,
+    and feeds a streamer what was kept (the prompt first; `end()` at the stop).
+
+    `pad` left-padding tokens (a batch row) stay in `sequence`, which processors and criteria see as in transformers'
+    batched decoding; `tokens` is the row's own."""
+
+    def __init__(self, prompt: torch.LongTensor, criteria: StoppingCriteriaList, keep_scores: bool = False,
+                 keep_logits: bool = False, streamer=None, pad: int = 0):
+        self.sequence, self.pad = prompt, pad  # (1, length)
+        self.guard = StopGuard(criteria, prompt.shape[1])
+        self.keep_scores, self.keep_logits = keep_scores, keep_logits
+        self.scores: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []
+        self.streamer = streamer
+        if streamer is not None:
+            streamer.put(prompt[:, pad:].cpu())
+
+    @property
+    def stopped(self) -> bool:
+        return self.guard.stop_length is not None
+
+    @property
+    def tokens(self) -> list[int]:
+        """The sequence's own tokens (no padding): what drafters and rescorers read."""
+        return self.sequence[0, self.pad:].tolist()
+
+    def accept(self, tokens: list[int], step_logits: list[torch.Tensor], step_scores: list[torch.Tensor]) -> None:
+        """Append one step's decoded tokens (with their raw and processed logits), up to the first stop."""
+        start = self.sequence.shape[1]
+        new = torch.tensor([tokens], dtype=self.sequence.dtype, device=self.sequence.device)
+        self.sequence = torch.cat([self.sequence, new], dim=1)
+        stop = self.guard.first_stop(self.sequence)
+        if stop is not None:
+            self.sequence = self.sequence[:, :stop]
+        kept = self.sequence.shape[1] - start
+        if self.keep_scores:
+            self.scores.extend(step_scores[:kept])
+        if self.keep_logits:
+            self.logits.extend(step_logits[:kept])
+        if self.streamer is not None:
+            if kept > 0:
+                self.streamer.put(self.sequence[0, start:].cpu())
+            if stop is not None:
+                self.streamer.end()
+
+
 def stop_strings_as_criteria(kwargs: dict, generation_config, model_config) -> None:
     """`stop_strings` (+ `tokenizer`) as a `StopStringCriteria` in `stopping_criteria`: transformers hands a
     `custom_generate` callable no tokenizer, so the criterion is built here, exactly as plain decoding builds it."""

@@ -14,21 +14,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
 from ..errors import BPDConfigError
 
 EXPORT_FORMATS = ("vllm-medusa",)
 
 
-def medusa_state(model) -> tuple[dict, dict[str, torch.Tensor]]:
-    """`(config, tensors)` of `model`'s heads in vLLM's Medusa format; `BPDConfigError` when they cannot be."""
-    config, heads = model.config, model.heads
-    if config.head_type != "resblock":
-        raise BPDConfigError(f"{config.head_type} heads cannot be exported to vLLM's Medusa format, which has only "
+def check_exportable(head_type: str) -> None:
+    """`BPDConfigError` unless heads of `head_type` have a Medusa form (the command line checks config.json's
+    head_type with it before loading the base; this module imports nothing heavy until it writes)."""
+    if head_type != "resblock":
+        raise BPDConfigError(f"{head_type} heads cannot be exported to vLLM's Medusa format, which has only "
                              "residual x + SiLU(W x) blocks: train heads with --head-type resblock to serve them with "
                              "vLLM")
+
+
+def medusa_state(model) -> tuple[dict, dict]:
+    """`(config, tensors)` of `model`'s heads in vLLM's Medusa format; `BPDConfigError` when they cannot be."""
+    config, heads = model.config, model.heads
+    check_exportable(config.head_type)
     output_layer = model.base_lm.get_output_embeddings()
     if config.tie_head_projection and getattr(output_layer, "bias", None) is not None:
         raise BPDConfigError("the base's output layer has a bias, which vLLM's Medusa LM head does not: these heads "
@@ -67,6 +70,8 @@ def export_heads(model, output_dir: str | Path, format: str = "vllm-medusa") -> 
     """Write `model`'s heads to `output_dir` in `format` (`EXPORT_FORMATS`): `config.json` and `model.safetensors`."""
     if format not in EXPORT_FORMATS:
         raise BPDConfigError(f"unknown export format {format!r}: use one of {', '.join(EXPORT_FORMATS)}")
+    from safetensors.torch import save_file
+
     medusa_config, tensors = medusa_state(model)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
