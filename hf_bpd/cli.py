@@ -222,6 +222,10 @@ def cmd_generate(args) -> int:
         if not has_heads:
             raise ValueError(f"{args.model} is a plain base model: --compile needs a heads checkpoint")
         options["compile"] = args.compile
+    if args.tie_margin is not None:
+        if not has_heads:
+            raise ValueError(f"{args.model} is a plain base model: --tie-margin needs a heads checkpoint")
+        options["tie_margin"] = args.tie_margin
     # compiled verification: asked for, or the checkpoint's default (its generation_config.json)
     compiled = has_heads and options.get("compile", getattr(model.generation_config, "compile", False))
     if has_heads and not args.no_heads:
@@ -234,12 +238,14 @@ def cmd_generate(args) -> int:
     prompt_length = inputs["input_ids"].shape[1]
     # the comparison's plain BPD row: the heads' argmax chain, same heads and compilation as this run
     plain_bpd = dict(rescorer=None, num_drafts=1, tree=None, prompt_lookup=False, draft_schedule="fixed",
-                     compile=compiled, **{k: v for k, v in options.items() if k == "num_heads_to_use"})
+                     compile=compiled, **{k: v for k, v in options.items() if k in ("num_heads_to_use", "tie_margin")})
+    same_ties = {k: v for k, v in options.items() if k == "tie_margin"}  # compiled plain decides near-ties alike
     if args.compare or compiled:  # warm-up (allocations, rescorer loading, compilation) is not timed
         start = time.perf_counter()
         model.generate(**inputs, **{**kwargs, "max_new_tokens": 8}, **options)
         if compiled and args.compare and not args.no_heads:
-            model.generate(**inputs, **{**kwargs, "max_new_tokens": 8}, use_heads=False, compile=True)
+            model.generate(**inputs, **{**kwargs, "max_new_tokens": 8}, use_heads=False, compile=True,
+                           **same_ties)
             model.generate(**inputs, **{**kwargs, "max_new_tokens": 8}, **plain_bpd)
         if compiled:
             import torch as _torch
@@ -257,6 +263,9 @@ def cmd_generate(args) -> int:
     if stats is not None:
         print(f"block efficiency: {stats.block_efficiency:.2f} tokens per serial call "
               f"({stats.serial_calls} calls, mean accepted draft tokens {stats.mean_accepted:.2f})")
+        if stats.tie_checks:
+            print(f"near-ties decided by the base's eager generate(): {stats.tie_checks} ({stats.tie_changes} "
+                  f"changed, {stats.tie_seconds:.2f} s)")
     if args.compare:
         base = getattr(model, "base_lm", model)
         ref, ref_seconds = _timed(lambda: base.generate(**inputs, **kwargs))  # the same greedy/sampling settings
@@ -264,7 +273,8 @@ def cmd_generate(args) -> int:
                  ref.shape[1] - prompt_length, ref_seconds, 1.0, None)]
         label = _method_label(model, options) if stats is not None else "this run"
         if compiled and not args.no_heads:
-            plain_c, plain_c_seconds = _timed(lambda: model.generate(**inputs, **kwargs, use_heads=False, compile=True))
+            plain_c, plain_c_seconds = _timed(lambda: model.generate(**inputs, **kwargs, use_heads=False, compile=True,
+                                                                       **same_ties))
             rows.append(("plain decoding, compiled (use_heads=False, compile=True)", plain_c.shape[1] - prompt_length,
                          plain_c_seconds, 1.0, None if args.do_sample else torch.equal(plain_c, ref)))
         if stats is not None and _method_label(model, options) not in ("bpd", "bpd, compiled"):
@@ -732,6 +742,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="verify with a torch.compile'd step on a static cache (first use compiles, ~1-2 min for "
                           "SmolLM2 on a CPU; --compare then also times compiled plain decoding); --no-compile: eager "
                           "(default: the checkpoint's)")
+    gen.add_argument("--tie-margin", type=float, default=None, metavar="M",
+                     help="greedy: tokens whose two best scores are closer than M x max(1, |best|) are decided by the "
+                          "base's own eager generate() (0: never; default: the checkpoint's, else 5e-5 for fp32)")
     gen.add_argument("--compare", action="store_true",
                      help="also run the base's plain generate() (and plain BPD) and print a side-by-side table")
     gen.set_defaults(func=cmd_generate)

@@ -361,6 +361,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
                 raise BPDConfigError("custom_generate replaces the drafting loop: pass use_heads=False with it")
             plan = plan_drafting(self, options) if options.use_heads else plan_plain()
             plan.compile = options.compile
+            plan.tie_margin = options.tie_margin
             plan.streamer = kwargs.pop("streamer", None)
             stop_strings_as_criteria(kwargs, generation_config, self.generation_config)
             decode = functools.partial(blockwise_decoding, plan=plan)

@@ -27,7 +27,7 @@ SUMMARY_KEYS = {"method", "category", "samples", "new_tokens", "seconds", "token
                 "block_efficiency", "serial_calls", "mean_accepted", "draft_share", "exact", "exact_rate"}
 SAMPLE_KEYS = {"id", "category", "turn", "method", "prompt_tokens", "new_tokens", "seconds", "tokens_per_s",
                "speedup_vs_ar", "serial_calls", "block_efficiency", "mean_accepted", "accepted_lengths",
-               "draft_seconds", "draft_tokens", "output_ids", "exact"}
+               "draft_seconds", "draft_tokens", "tie_checks", "tie_changes", "tie_seconds", "output_ids", "exact"}
 QUESTIONS = [
     {"question_id": 81, "category": "writing", "turns": ["Write a short poem about the sea.", "Now make it rhyme."]},
     {"question_id": 82, "category": "math", "turns": ["What is 12 times 7?"]},

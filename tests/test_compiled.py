@@ -67,6 +67,21 @@ def test_compiled_stops_and_sampling_settings(model):
         assert torch.equal(model.generate(ids, compile=True, **kwargs), model.base_lm.generate(ids, **kwargs))
 
 
+def test_compiled_near_ties_go_to_the_eager_referee(model):
+    """Compiled kernels round differently from the eager base; with a margin every token is inside of, each is
+    decided by the referee, whose logits are the eager generate()'s bit for bit (repetition penalty included)."""
+    for seed, options in enumerate([{}, {"use_heads": False}]):
+        ids = prompt(40 + seed, 6)
+        kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, repetition_penalty=1.2,
+                      output_logits=True, output_scores=True, return_dict_in_generate=True)
+        alone = model.base_lm.generate(ids, **kwargs)
+        got = model.generate(ids, compile=True, tie_margin=1e9, **options, **kwargs)
+        assert torch.equal(got.sequences, alone.sequences)
+        assert all(torch.equal(a, b) for a, b in zip(got.logits, alone.logits))
+        assert all(torch.equal(a, b) for a, b in zip(got.scores, alone.scores))
+        assert got.generation_stats.tie_checks == 16
+
+
 def test_sliding_window_bases_fall_back_to_eager_with_a_warning(one_thread):
     model = random_bpd("gemma3", 0)
     ids = prompt(1, 6)

@@ -37,7 +37,7 @@ transformers, ...):
 * `samples`: one record per (prompt, turn, method): `id`, `category`, `turn`, `method`, `prompt_tokens`,
   `new_tokens`, `seconds`, `tokens_per_s`, `speedup_vs_ar` (ar's seconds / this method's), `serial_calls`,
   `block_efficiency`, `mean_accepted`, `accepted_lengths` and `draft_tokens` (per serial call), `draft_seconds`,
-  `output_ids`, `exact`. Figures that a decoder does not report are null.
+  `tie_checks`/`tie_changes`/`tie_seconds` (near-ties the base's eager generate() decided), `output_ids`, `exact`. Figures that a decoder does not report are null.
 """
 
 from __future__ import annotations
@@ -361,13 +361,15 @@ def _sample_record(question: dict, turn: int, method: str, prompt_length: int, n
         "prompt_tokens": prompt_length, "new_tokens": len(new_ids), "seconds": seconds,
         "tokens_per_s": len(new_ids) / seconds if seconds > 0 else 0.0,
         "serial_calls": None, "block_efficiency": None, "mean_accepted": None, "accepted_lengths": None,
-        "draft_tokens": None, "draft_seconds": None, "output_ids": new_ids,
+        "draft_tokens": None, "draft_seconds": None, "tie_checks": None, "tie_changes": None, "tie_seconds": None,
+        "output_ids": new_ids,
     }
     if stats is not None:
         record.update(serial_calls=stats.serial_calls, block_efficiency=stats.block_efficiency,
                       mean_accepted=stats.mean_accepted, accepted_lengths=list(stats.accepted_lengths),
                       draft_tokens=list(stats.draft_tokens) or [0] * stats.serial_calls,
-                      draft_seconds=stats.draft_seconds)
+                      draft_seconds=stats.draft_seconds, tie_checks=stats.tie_checks, tie_changes=stats.tie_changes,
+                      tie_seconds=stats.tie_seconds)
     return record
 
 

@@ -11,6 +11,7 @@
 | `prompt_lookup` | `False` | also draft the context's continuation of its last n-gram (prompt lookup) and verify it with the heads' drafts in the same pass (`hf_bpd.generation.lookup`) |
 | `draft_schedule` | `"fixed"` | `"fixed"`: verify every drafted token; `"cost"`: per step, verify only the drafted tokens expected to pay for their verification cost (calibrated head confidences x the machine's measured forward costs; `hf_bpd.generation.budget`) |
 | `compile` | `False` | verify with a `torch.compile`d step on a reused static cache (`hf_bpd.generation.verify`); with `use_heads=False` too, for compiled plain decoding |
+| `tie_margin` | `None` | greedy: a decoded token whose two best scores are closer than this × max(1, |best|) is decided by the base's own eager `generate()` (`hf_bpd.generation.near_ties`); None: 5e-5 for fp32 bases, 0 (never) for half precision |
 
 Set them once (`model.generation_config.rescorer = "ngram"`, saved with the checkpoint) or per call
 (`model.generate(..., rescorer="ngram")`); a per-call value wins.
@@ -19,6 +20,7 @@ Set them once (`model.generation_config.rescorer = "ngram"`, saved with the chec
 from __future__ import annotations
 
 import json
+import math
 import operator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ from ..limits import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS  # noqa: F
 DRAFTING_DEFAULTS = {"rescorer": None, "draft_top_k": None, "num_drafts": 1, "num_heads_to_use": None, "tree": None,
                      "prompt_lookup": False, "draft_schedule": "fixed"}
 DRAFTING_OPTIONS = tuple(DRAFTING_DEFAULTS)
+DECODING_OPTIONS = ("use_heads", "compile", "tie_margin")  # how the loop runs, with or without drafting
 
 SCHEDULES = ("fixed", "cost")  # draft_schedule values (`hf_bpd.generation.budget`)
 
@@ -41,6 +44,7 @@ class BlockwiseGenerationConfig(GenerationConfig):
     def __init__(self, **kwargs):
         self.use_heads = kwargs.pop("use_heads", True)
         self.compile = kwargs.pop("compile", False)
+        self.tie_margin = kwargs.pop("tie_margin", None)
         for name, default in DRAFTING_DEFAULTS.items():
             setattr(self, name, kwargs.pop(name, default))
         super().__init__(**kwargs)
@@ -68,6 +72,7 @@ class DraftingOptions:
 
     use_heads: bool = True
     compile: bool = False
+    tie_margin: float | None = None
     rescorer: object = None
     draft_top_k: int | None = None
     num_drafts: int = 1
@@ -84,9 +89,9 @@ def drafting_options(kwargs: dict, generation_config: GenerationConfig | None,
 
     `use_heads=False` together with a drafting option set per call is an error: the option would be ignored.
     """
-    explicit = {name: kwargs.pop(name) for name in ("use_heads", "compile") + DRAFTING_OPTIONS if name in kwargs}
+    explicit = {name: kwargs.pop(name) for name in DECODING_OPTIONS + DRAFTING_OPTIONS if name in kwargs}
     values = {}
-    for name, default in {"use_heads": True, "compile": False, **DRAFTING_DEFAULTS}.items():
+    for name, default in {"use_heads": True, "compile": False, "tie_margin": None, **DRAFTING_DEFAULTS}.items():
         if name in explicit:
             values[name] = explicit[name]
         elif generation_config is not None and hasattr(generation_config, name):
@@ -131,6 +136,13 @@ def validate_drafting_values(values: dict, where: str = "") -> dict:
         if name in out and not isinstance(out[name], bool):
             raise BPDTypeError(f"{where}{name} must be True or False, got {out[name]!r}: pass {name}=True or "
                                f"{name}=False")
+    margin = out.get("tie_margin")
+    if margin is not None:
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) \
+                or margin < 0:
+            raise BPDConfigError(f"{where}tie_margin must be a number >= 0 (or None for the default), got "
+                                 f"{margin!r}: pass e.g. tie_margin=1e-4, or 0 to never re-decide near-ties")
+        out["tie_margin"] = float(margin)
     if out.get("draft_top_k") is not None:
         out["draft_top_k"] = _int_value("draft_top_k", out["draft_top_k"], 1, MAX_DRAFT_TOP_K, where)
     if "num_drafts" in out:
@@ -172,7 +184,7 @@ def load_generation_config(directory: Path, base_model, config) -> BlockwiseGene
         if not isinstance(values, dict):
             raise CheckpointError(f"{path} must hold a JSON object of generation settings: restore it, or delete it")
         values.pop("transformers_version", None)
-        validate_drafting_values({k: v for k, v in values.items() if k in DRAFTING_OPTIONS + ("use_heads", "compile")},
+        validate_drafting_values({k: v for k, v in values.items() if k in DRAFTING_OPTIONS + DECODING_OPTIONS},
                                  where=f"{path}: ")
         try:
             generation_config = BlockwiseGenerationConfig(**values)

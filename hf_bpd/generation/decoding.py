@@ -33,6 +33,7 @@ from .batch import decode_batch
 from .budget import SCHEDULES, DraftBudget, HeadCalibration, eager_costs
 from .config import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS, DraftingOptions, _int_value
 from .drafting import BlockDrafter, NoDrafter
+from .near_ties import EagerReferee, default_tie_margin
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import DecodedSequence
 from .tree import DraftTree, choose_token, parse_tree, walk
@@ -48,6 +49,7 @@ class DecodingPlan:
     streamer: BaseStreamer | None = None
     compile: bool = False  # verify with the compiled step on a static cache (`hf_bpd.generation.verify`)
     schedule: str = "fixed"  # "cost": verify only the drafted tokens that pay (`hf_bpd.generation.budget`)
+    tie_margin: float | None = None  # greedy near-ties decided by the base's eager generate() (`near_ties`)
 
 
 def max_positions(base) -> int | None:
@@ -265,6 +267,8 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
     keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     decoded = DecodedSequence(input_ids, stopping_criteria, keep_scores, keep_logits, streamer)
+    margin = default_tie_margin(model.base_lm.dtype) if plan.tie_margin is None else plan.tie_margin
+    referee = EagerReferee(model.base_lm, input_ids.shape[1], margin) if margin > 0 and not do_sample else None
 
     # The prompt pass decodes the first token and gives the hidden state the first block is drafted from.
     logits, hidden = verifier.prefill(input_ids)
@@ -272,7 +276,10 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
     processed = logits_processor(input_ids, logits.clone())
     stats.accepted_lengths.append(0)
     stats.draft_tokens.append(0)
-    decoded.accept([choose_token(processed[0], do_sample)], [logits], [processed])
+    tokens, step_logits, step_scores = [choose_token(processed[0], do_sample)], [logits], [processed]
+    if referee is not None:
+        referee.settle(input_ids, tokens, step_logits, step_scores, logits_processor)
+    decoded.accept(tokens, step_logits, step_scores)
 
     while not decoded.stopped:
         start = time.perf_counter()
@@ -294,6 +301,11 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
         # Walk down the tree while the base's own choice is a child of the current node.
         tokens, path, position, step_logits, step_scores = walk(tree, block_logits, sequence, logits_processor,
                                                                 do_sample)
+        if referee is not None:  # a near-tie the referee decided otherwise ends the step there, like a rejection
+            cut = referee.settle(sequence, tokens, step_logits, step_scores, logits_processor)
+            if cut is not None and cut < len(path):
+                path = path[:cut]
+                position = path[-1] + 1 if path else 0
         verifier.keep(len(tree) + 1, [0] + [c + 1 for c in path])
         hidden = block_hidden[position]
         stats.accepted_lengths.append(len(path))
@@ -302,6 +314,8 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
 
     sequence = decoded.sequence
     cache = verifier.close(sequence.shape[1])
+    if referee is not None:
+        stats.tie_checks, stats.tie_changes, stats.tie_seconds = referee.checks, referee.changed, referee.seconds
     if generation_config.return_dict_in_generate:
         return BlockwiseGenerateOutput(
             sequences=sequence,

@@ -25,6 +25,11 @@ class GenerationStats:
     total_seconds: float = 0.0
     method: str = "chain"
     compile_seconds: float = 0.0  # compiling the verification step in this call (0 once compiled)
+    # Greedy near-ties (`hf_bpd.generation.near_ties`): positions the base's eager generate() decided, how many of
+    # them it decided differently from the verification pass, and the seconds it took.
+    tie_checks: int = 0
+    tie_changes: int = 0
+    tie_seconds: float = 0.0
     # A batch of prompts: each row's own statistics, and the base forward passes the batch shared. The batch's
     # `accepted_lengths` / `draft_tokens` are the rows' together, so its block efficiency is the rows' pooled one.
     rows: list[GenerationStats] | None = None
@@ -63,6 +68,9 @@ class GenerationStats:
             "verify_seconds": self.verify_seconds,
             "total_seconds": self.total_seconds,
             "compile_seconds": self.compile_seconds,
+            "tie_checks": self.tie_checks,
+            "tie_changes": self.tie_changes,
+            "tie_seconds": self.tie_seconds,
             **({"forward_passes": self.forward_passes, "rows": [row.as_dict() for row in self.rows]}
                if self.rows is not None else {}),
         }
