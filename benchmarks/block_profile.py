@@ -1,0 +1,64 @@
+"""Where a compiled verification step's time goes, per block length: the compiled graph (GEMM templates and fused
+kernels) versus the attention kernel over the static cache (torch.profiler, 5 steps after 10 timed ones).
+
+    python benchmarks/block_profile.py --lengths 4,5 --past 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import hf_bpd
+from hf_bpd.generation import verify
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="checkpoints/smollm2-135m-instruct-bpd")
+    p.add_argument("--lengths", default="4,5", help="block lengths, comma-separated")
+    p.add_argument("--past", type=int, default=200, help="tokens already in the cache")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    base = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.model).base_lm
+    runner = verify.compiled_runner(base, args.past + 256)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    runner.warm_up(lengths, base.device)
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, static cache {runner.max_cache_len} slots, "
+          f"compile seconds {({k: round(v) for k, v in runner.compiled_buckets.items()})}")
+    for b in lengths:
+        mask = torch.zeros(1, 1, b, runner.max_cache_len, dtype=base.dtype)
+        mask[..., args.past + b:] = torch.finfo(base.dtype).min
+        positions = args.past + torch.arange(b)
+        tokens = torch.zeros(1, b, dtype=torch.long)
+
+        def step():
+            runner.run(tokens, positions[None], positions, mask)
+            runner.set_length(args.past)
+
+        with torch.no_grad():
+            runner.set_length(args.past)
+            for _ in range(3):
+                step()
+            times = []
+            for _ in range(10):
+                start = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - start)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    step()
+        per_step = {e.key: e.self_cpu_time_total / 5 / 1000 for e in prof.key_averages()}
+        graph = sum(v for k, v in per_step.items() if "CompiledFxGraph" in k)
+        attention = sum(v for k, v in per_step.items() if "scaled_dot_product" in k)
+        print(f"block {b}: {1000 * sorted(times)[5]:.1f} ms per step (median of 10); compiled graph {graph:.1f} ms, "
+              f"attention {attention:.1f} ms, the rest {sum(per_step.values()) - graph - attention:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
