@@ -1,7 +1,7 @@
 """Where a compiled verification step's time goes, per block length: the compiled graph (GEMM templates and fused
 kernels) versus the attention kernel over the static cache (torch.profiler, 5 steps after 10 timed ones).
 
-    python benchmarks/block_profile.py --lengths 4,5 --past 200
+    python benchmarks/block_profile.py --lengths 4,5 --past 200 [--cache 1024]
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="checkpoints/smollm2-135m-instruct-bpd")
     p.add_argument("--lengths", default="4,5", help="block lengths, comma-separated")
     p.add_argument("--past", type=int, default=200, help="tokens already in the cache")
+    p.add_argument("--cache", type=int, default=None,
+                   help="tokens the static cache must hold (default: past + 256; rounded up to the runner's bucket)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     base = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.model).base_lm
-    runner = verify.compiled_runner(base, args.past + 256)
+    runner = verify.compiled_runner(base, args.cache or args.past + 256)
     lengths = [int(x) for x in args.lengths.split(",")]
     runner.warm_up(lengths, base.device)
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, static cache {runner.max_cache_len} slots, "
