@@ -37,7 +37,8 @@ transformers, ...):
 * `samples`: one record per (prompt, turn, method): `id`, `category`, `turn`, `method`, `prompt_tokens`,
   `new_tokens`, `seconds`, `tokens_per_s`, `speedup_vs_ar` (ar's seconds / this method's), `serial_calls`,
   `block_efficiency`, `mean_accepted`, `accepted_lengths` and `draft_tokens` (per serial call), `draft_seconds`,
-  `tie_checks`/`tie_changes`/`tie_seconds` (near-ties the base's eager generate() decided), `output_ids`, `exact`. Figures that a decoder does not report are null.
+  `tie_checks`/`tie_changes`/`tie_seconds` (near-ties the base's eager generate() decided), `output_ids`, `exact`.
+  Figures that a decoder does not report are null.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ from ..limits import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS  # noqa: F
 DRAFTING_DEFAULTS = {"rescorer": None, "draft_top_k": None, "num_drafts": 1, "num_heads_to_use": None, "tree": None,
                      "prompt_lookup": False, "draft_schedule": "fixed"}
 DRAFTING_OPTIONS = tuple(DRAFTING_DEFAULTS)
-DECODING_OPTIONS = ("use_heads", "compile", "tie_margin")  # how the loop runs, with or without drafting
+DECODING_DEFAULTS = {"use_heads": True, "compile": False, "tie_margin": None}  # how the loop runs, drafting or not
+DECODING_OPTIONS = tuple(DECODING_DEFAULTS)
 
 SCHEDULES = ("fixed", "cost")  # draft_schedule values (`hf_bpd.generation.budget`)
 
@@ -42,10 +43,7 @@ class BlockwiseGenerationConfig(GenerationConfig):
     """A `GenerationConfig` with the drafting options above as documented fields."""
 
     def __init__(self, **kwargs):
-        self.use_heads = kwargs.pop("use_heads", True)
-        self.compile = kwargs.pop("compile", False)
-        self.tie_margin = kwargs.pop("tie_margin", None)
-        for name, default in DRAFTING_DEFAULTS.items():
+        for name, default in {**DECODING_DEFAULTS, **DRAFTING_DEFAULTS}.items():
             setattr(self, name, kwargs.pop(name, default))
         super().__init__(**kwargs)
 
@@ -91,7 +89,7 @@ def drafting_options(kwargs: dict, generation_config: GenerationConfig | None,
     """
     explicit = {name: kwargs.pop(name) for name in DECODING_OPTIONS + DRAFTING_OPTIONS if name in kwargs}
     values = {}
-    for name, default in {"use_heads": True, "compile": False, "tie_margin": None, **DRAFTING_DEFAULTS}.items():
+    for name, default in {**DECODING_DEFAULTS, **DRAFTING_DEFAULTS}.items():
         if name in explicit:
             values[name] = explicit[name]
         elif generation_config is not None and hasattr(generation_config, name):

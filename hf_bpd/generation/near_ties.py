@@ -5,8 +5,9 @@ A verification forward computes the same logits as plain decoding up to floating
 two best (processed) scores are closer than that rounding, the two computations can pick different tokens — measured
 on SmolLM2: one position in 51,200 (two logits 5.7e-6 apart) where compiled verification and the eager greedy
 `generate()` disagreed. Greedy decoding therefore checks the margin between the two best scores of every token it
-decodes; where it is below `tie_margin` x max(1, |best score|), the `EagerReferee` computes that position exactly as the base's eager
-`generate()` does and its choice is kept (a different choice ends the step there, like a rejected draft).
+decodes; where it is below `tie_margin` x max(1, |best score|), the `EagerReferee` computes that position exactly as
+the base's eager `generate()` does and its choice is kept (a different choice ends the step there, like a rejected
+draft).
 
 The referee is the base's own `generate()`, forced along the decoded tokens: it owns a `DynamicCache` that it only
 advances when asked, one token per forward pass as plain decoding does (the prompt in one pass), so its logits are
@@ -88,9 +89,8 @@ class EagerReferee:
                step_scores: list[torch.Tensor], logits_processor) -> int | None:
         """Check one step's decoded `tokens` (appended to `sequence` `(1, length)`), with their raw and processed
         logits `(1, vocab)`: every token whose two best processed scores are closer than `margin` x max(1, |best|) is
-        re-decided
-        from the referee's logits (which replace the step's for it). Returns the index of the first token the
-        referee changed — the lists are cut after it — or None."""
+        re-decided from the referee's logits (which replace the step's for it). Returns the index of the first token
+        the referee changed — the lists are cut after it — or None."""
         for i, scores in enumerate(step_scores):
             best = scores[0].topk(2).values
             if float(best[0] - best[1]) >= self.margin * max(1.0, abs(float(best[0]))):
