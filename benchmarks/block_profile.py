@@ -24,8 +24,13 @@ def main(argv=None) -> int:
     p.add_argument("--cache", type=int, default=None,
                    help="tokens the static cache must hold (default: past + 256; rounded up to the runner's bucket)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kernels", type=int, default=0,
+                   help="also list the N costliest kernels of the compiled graph per block length (inductor's "
+                        "cpp.enable_kernel_profile; compiles its own graphs)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.kernels:
+        torch._inductor.config.cpp.enable_kernel_profile = True
     base = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.model).base_lm
     runner = verify.compiled_runner(base, args.cache or args.past + 256)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -59,6 +64,10 @@ def main(argv=None) -> int:
         attention = sum(v for k, v in per_step.items() if "scaled_dot_product" in k)
         print(f"block {b}: {1000 * sorted(times)[5]:.1f} ms per step (median of 10); compiled graph {graph:.1f} ms, "
               f"attention {attention:.1f} ms, the rest {sum(per_step.values()) - graph - attention:.1f} ms")
+        if args.kernels:
+            ranked = sorted(((v, k) for k, v in per_step.items() if "CompiledFxGraph" not in k), reverse=True)
+            for value, name in ranked[: args.kernels]:
+                print(f"    {value:7.3f} ms  {name}")
     return 0
 
 

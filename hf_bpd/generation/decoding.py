@@ -37,7 +37,7 @@ from .near_ties import EagerReferee, default_tie_margin
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import DecodedSequence
 from .tree import DraftTree, choose_token, parse_tree, walk
-from .verify import _RUNNERS, EagerVerifier, compiled_verifier, head_top_k
+from .verify import _RUNNERS, COMPILED_DRAFT_SLOTS, EagerVerifier, compiled_verifier, head_top_k
 
 
 @dataclass
@@ -222,7 +222,8 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
             if runner is not None:
                 # One compiled shape per drafting plan (its largest block); "cost" also compiles the one-token step.
                 # The heads' lattice comes from a compiled heads step too.
-                plan.drafter.share_slots = isinstance(plan.drafter, BlockDrafter)
+                if isinstance(plan.drafter, BlockDrafter):
+                    plan.drafter.slots = max(COMPILED_DRAFT_SLOTS, plan.drafter.num_heads)
                 largest = plan.drafter.max_block_length()
                 buckets = sorted({1, largest} if plan.schedule == "cost" else {largest})
                 heads = model.heads if isinstance(plan.drafter, BlockDrafter) else None
@@ -239,7 +240,8 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
                           "decoding eagerly", stacklevel=3)
             _RUNNERS.pop(model.base_lm, None)
             verifier, runner = None, None
-            plan.drafter.share_slots = False
+            if isinstance(plan.drafter, BlockDrafter):
+                plan.drafter.slots = None
             plan.drafter.head_top = None
     if verifier is None:
         verifier = EagerVerifier(model, model_kwargs.get("past_key_values"), model_kwargs.get("attention_mask"))

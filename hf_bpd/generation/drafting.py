@@ -21,10 +21,11 @@ class BlockDrafter:
         rescorer: picks drafts from the lattice; `HeadScoreRescorer` (head scores only) by default.
         tree_choices: Medusa-style rank paths; when given, the drafts are those paths instead.
         prompt_lookup: also draft the context's own continuation of its last n-gram (`hf_bpd.generation.lookup`),
-            as many tokens as the heads draft, verified with the heads' drafts in the same pass: one more path;
-            for a chain under compiled verification (`share_slots`) it competes for the chain's slots instead
+            verified with the heads' drafts in the same pass. Eagerly (and for p-best drafts and trees) it is one
+            more path, as long as the heads' drafts. For a chain under compiled verification (`slots`) the chain
+            and a copy of up to `slots` tokens compete for the compiled block's `slots` draft nodes instead
             (`best_first_nodes`: the nodes likeliest to be accepted, from the calibrated head confidences and prompt
-            lookup's measured acceptance rates), so the compiled block length does not grow.
+            lookup's measured acceptance rates), so the compiled block has one fixed length.
     """
 
     def __init__(self, heads, num_heads: int, top_k: int = 1, num_drafts: int = 1, rescorer: Rescorer | None = None,
@@ -38,19 +39,25 @@ class BlockDrafter:
         self.prompt_lookup = prompt_lookup
         self.head_top = None  # (hidden, next token) -> (top-k log-probs, indices) of every head; set when compiled
         self.calibration: HeadCalibration | None = None  # measured acceptance rates (`hf-bpd calibrate`)
-        # A compiled chain keeps its block length (block lengths up to 4 cost about one token there, longer ones
-        # much more): prompt lookup's copy then shares the chain's slots instead of adding a path.
-        self.share_slots = False
+        # Under compiled verification: the draft nodes one step verifies (the compiled block's length minus its
+        # root; set by the decoding loop, `verify.COMPILED_DRAFT_SLOTS`). A chain with prompt lookup then fills them
+        # best-first from the chain and the copy instead of adding a path. None: eager.
+        self.slots: int | None = None
         if tree_choices:
             self.top_k = max(top_k, 1 + max(r for c in tree_choices for r in c))
 
     def max_block_length(self) -> int:
         """The most tokens one verification pass can hold: the last token plus every draft node."""
-        shared = self.share_slots and self.tree_choices is None and self.num_drafts == 1
-        lookup = self.num_heads if self.prompt_lookup and not shared else 0
+        if self._shares_slots():
+            return 1 + self.slots
+        lookup = self.num_heads if self.prompt_lookup else 0
         if self.tree_choices is not None:
             return 1 + len(self.tree_choices) + lookup
         return 1 + self.num_heads * self.num_drafts + lookup
+
+    def _shares_slots(self) -> bool:
+        """A compiled chain with prompt lookup: the chain and the copy share `slots` draft nodes."""
+        return self.slots is not None and self.prompt_lookup and self.tree_choices is None and self.num_drafts == 1
 
     @torch.no_grad()
     def lattice(self, hidden: torch.Tensor, num_heads: int | None = None, next_token: int | None = None) -> Lattice:
@@ -67,13 +74,13 @@ class BlockDrafter:
         weighs)."""
         drafts, probs = self.head_drafts(hidden, context, max_length)
         if self.prompt_lookup and drafts:
-            copied = prompt_lookup(context, max(len(d) for d in drafts))
+            shared = self._shares_slots()
+            copied = prompt_lookup(context, min(self.slots, max_length) if shared else max(len(d) for d in drafts))
             if copied and not any(d[: len(copied)] == copied for d in drafts):
-                if self.share_slots and self.tree_choices is None and self.num_drafts == 1:
-                    # a compiled chain: the copy competes with the heads' chain for its verification slots
+                if shared:  # a compiled chain: the chain and the copy compete for the block's draft nodes
                     head_rates = acceptance_rates(self.calibration, probs)
                     copy_rates = (self.calibration or HeadCalibration.default()).lookup_rates(len(copied))
-                    drafts = best_first_nodes([(drafts[0], head_rates), (copied, copy_rates)], len(drafts[0]))
+                    drafts = best_first_nodes([(drafts[0], head_rates), (copied, copy_rates)], self.slots)
                 else:  # eagerly, or p-best / tree: one more path
                     drafts.append(copied)
         return drafts, probs

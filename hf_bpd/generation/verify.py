@@ -30,12 +30,18 @@ import torch._inductor.config as inductor_config
 from torch import nn
 from transformers.cache_utils import DynamicCache, StaticCache
 
+from .inlining import compiler_options
 from .tree import DraftTree, keep_accepted, tree_attention_masks
 
 # Static caches hold a multiple of this many tokens. The attention kernel reads every slot (masked), so a smaller
 # cache is a cheaper step: SmolLM2's 4-token step measured 20.6 ms on 1,024 slots and 18.0 ms on 512
 # (`benchmarks/block_profile.py`); each size compiles its own graphs, so an existing larger one is reused.
 CACHE_BUCKET = 512
+# A compiled chain with prompt lookup verifies this many draft nodes per step (a block of 8 tokens): inductor's CPU
+# GEMM template multiplies 8 rows at a time (register block 8 x 48), so with the micro-kernels in registers
+# (`hf_bpd.generation.inlining`) a block of up to 8 tokens costs about what one token costs (SmolLM2, AVX-512: 17.0 /
+# 19.8 / 20.3 / 21.9 ms for 1 / 4 / 5 / 8 tokens, `benchmarks/block_profile.py`); 9 tokens start a second row tile.
+COMPILED_DRAFT_SLOTS = 7
 MAX_COMPILED_SHAPES = 64  # block lengths one runner may compile (dynamo's own limit is 8)
 INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
@@ -85,13 +91,14 @@ class EagerVerifier:
 
 # ----------------------------------------------------------------------------------------------------------------
 class _Patches(contextlib.ExitStack):
-    """The compile settings, applied around every call of a compiled step (see `CompiledRunner`). dynamo compiles
+    """The compile settings, applied around every call of a compiled step (see `CompiledRunner`): `INDUCTOR_OPTIONS`
+    and GCC told to inline the GEMM micro-kernels of every row count (`hf_bpd.generation.inlining`). dynamo compiles
     at most `recompile_limit` (default 8) shapes per function and then silently runs it eagerly (measured: block
     lengths 8..16 of `hf-bpd profile` ran uncompiled); each block length is one shape, so the limit is raised."""
 
     def __enter__(self):
         super().__enter__()
-        self.enter_context(inductor_config.patch(INDUCTOR_OPTIONS))
+        self.enter_context(inductor_config.patch({**INDUCTOR_OPTIONS, **compiler_options()}))
         self.enter_context(dynamo_config.patch(recompile_limit=MAX_COMPILED_SHAPES))
         return self
 

@@ -1,0 +1,82 @@
+"""The compiled step's C++ compiler (`hf_bpd.generation.inlining`): GCC with raised inlining limits, so inductor's
+GEMM micro-kernels of 5..8 rows keep their accumulators in registers. Same results, bit for bit."""
+
+import os
+import subprocess
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+from torch._inductor import cpp_builder
+
+from hf_bpd.generation import inlining, verify
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path / "cache"))
+    inlining.inlining_compiler.cache_clear()
+    yield tmp_path
+    inlining.inlining_compiler.cache_clear()
+
+
+def gcc_here() -> bool:
+    try:
+        return cpp_builder._is_gcc(cpp_builder.get_cpp_compiler())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@pytest.mark.skipif(not gcc_here(), reason="inductor's compiler here is not GCC")
+def test_the_wrapper_runs_gcc_with_the_inlining_flags(fresh):
+    wrapper = inlining.inlining_compiler()
+    assert wrapper is not None and wrapper.startswith(str(fresh / "cache" / "toolchain"))
+    assert os.access(wrapper, os.X_OK) and "g++" in os.path.basename(wrapper)  # inductor still sees GCC
+    text = open(wrapper).read()
+    assert all(flag in text for flag in inlining.INLINE_FLAGS)
+    assert "Free Software Foundation" in subprocess.run([wrapper, "--version"], capture_output=True,
+                                                         text=True).stdout
+    assert inlining.compiler_options() == {"cpp.cxx": (wrapper,)}
+    os.remove(wrapper)  # a cleaned cache: written again, not a failing compile
+    assert inlining.compiler_options() == {"cpp.cxx": (wrapper,)} and os.path.isfile(wrapper)
+
+
+def test_no_gcc_or_no_cache_keeps_the_default_compiler(fresh, monkeypatch):
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: "clang++")
+    assert inlining.inlining_compiler() is None and inlining.compiler_options() == {}
+    inlining.inlining_compiler.cache_clear()
+    monkeypatch.undo()
+    blocked = fresh / "not-a-folder"
+    blocked.write_text("")
+    monkeypatch.setenv("HF_BPD_CACHE", str(blocked))  # the toolchain folder cannot be created
+    assert inlining.inlining_compiler() is None and inlining.compiler_options() == {}
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = torch.nn.Linear(64, 192, bias=False)
+        self.down = torch.nn.Linear(192, 64, bias=False)
+        self.out = torch.nn.Linear(64, 480, bias=False)
+
+    def forward(self, x):
+        return self.out(x + self.down(torch.relu(self.up(x))))
+
+
+@pytest.mark.skipif(not gcc_here(), reason="inductor's compiler here is not GCC")
+@pytest.mark.parametrize("rows", [5, 8])
+def test_inlined_gemm_templates_give_bit_identical_results(fresh, one_thread, rows):
+    """The same frozen, autotuned CPU GEMM templates built by plain GCC and by the wrapper: equal outputs, bit for
+    bit (and equal to the eager module within rounding)."""
+    module = _Stack().eval()
+    x = torch.randn(1, rows, 64, generator=torch.Generator().manual_seed(rows))
+    outs = []
+    for extra in ({}, inlining.compiler_options()):
+        torch._dynamo.reset()
+        compiled = torch.compile(module, dynamic=False)
+        with torch.no_grad(), inductor_config.patch({**verify.INDUCTOR_OPTIONS, **extra}):
+            outs.append(compiled(x))
+    torch._dynamo.reset()
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[1], module(x), rtol=1e-5, atol=1e-5)
