@@ -14,6 +14,7 @@ methods below; `run_bench(..., decoders=...)` accepts any registry, so tests (or
 | `bpd+ngram`, `bpd+neural` | one draft from the lattice rescored by the checkpoint's bundled rescorer |
 | `pbest` | `--num-drafts` best lattice paths under the heads alone ("p-best 0-gram"), verified as a tree |
 | `pbest-ngram` | `--num-drafts` best n-gram-rescored paths, verified as a tree |
+| `pbest-ngram+lookup` (and `-compiled`) | the same plus prompt lookup's copy as one more path (compiled: one tree-shaped compiled block) |
 | `tree` | a Medusa-style sparse tree of top-k ranks (`--tree` widths) |
 | `tree+ngram` | n-gram-rescored p-best drafts as a tree, with as many drafts as the `--tree` has leaves |
 | `ar-compiled`, `bpd-compiled`, `bpd+NAME-compiled` | plain decoding / BPD with `generate(compile=True)`: compiled verification steps on a reused static cache (compiled in the warm-up) |
@@ -298,6 +299,11 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
     decoders.update({
         "pbest": p(decode_bpd, rescorer=None, num_drafts=o.num_drafts, tree=None, **plain, **k),
         "pbest-ngram": p(decode_bpd, rescorer="ngram", num_drafts=o.num_drafts, tree=None, **plain, **k),
+        # the p-best n-gram paths plus prompt lookup's copy as one more path, eagerly or as a compiled tree
+        "pbest-ngram+lookup": p(decode_bpd, rescorer="ngram", num_drafts=o.num_drafts, tree=None,
+                                **{**plain, "prompt_lookup": True}, **k),
+        "pbest-ngram+lookup-compiled": p(decode_bpd, rescorer="ngram", num_drafts=o.num_drafts, tree=None,
+                                         **{**plain, "prompt_lookup": True, "compile": True}, **k),
         "tree": p(decode_bpd, rescorer=None, tree_widths=o.tree_widths, **plain),
         "tree+ngram": p(decode_bpd, rescorer="ngram", tree_widths=o.tree_widths, tree_leaves_as_drafts=True,
                         tree=None, **plain, **k),
