@@ -13,7 +13,7 @@ import torch
 
 import hf_bpd
 from hf_bpd.evaluation.bench import encode_messages, load_questions
-from hf_bpd.generation import decoding
+from hf_bpd.generation import decoding, verify
 
 
 def main(argv=None) -> int:
@@ -51,6 +51,7 @@ def main(argv=None) -> int:
             totals[name]["tokens"] += len(new)
             totals[name]["calls"] += model.last_generation_stats.serial_calls
             totals[name]["outputs"].append(new)
+    decoding.COMPILED_DRAFT_SLOTS = verify.COMPILED_DRAFT_SLOTS  # what the library uses again
     reference = totals["ar-compiled"]
     rows = []
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, {len(inputs)} prompts")

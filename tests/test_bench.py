@@ -291,3 +291,32 @@ def test_profile_script_smoke(checkpoint, tmp_path, capsys):
         assert 0.0 < row["share"]["verification forward"] < 1.0 and row["block_efficiency"] >= 1.0
         assert abs(sum(row["share"].values()) - 1.0) < 1e-6
     assert "| bpd |" in capsys.readouterr().out
+
+
+def test_draft_slots_script_smoke(checkpoint, tmp_path, capsys):
+    """benchmarks/draft_slots.py on the tiny checkpoint made compiled + prompt lookup by default: every plan's output
+    equals compiled plain decoding's, and the 7-node plan compiles a block of 8."""
+    import importlib.util
+
+    from hf_bpd.generation import verify
+    from tests.test_training import ROOT
+
+    spec = importlib.util.spec_from_file_location("draft_slots", ROOT / "benchmarks" / "draft_slots.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = BlockwiseParallelForCausalLM.from_pretrained(checkpoint[1])
+    model.generation_config.compile, model.generation_config.prompt_lookup = True, True
+    model_dir = tmp_path / "compiled-default"
+    model.save_pretrained(model_dir)
+    hf_bpd.load_tokenizer(str(checkpoint[1])).save_pretrained(model_dir)
+    out = tmp_path / "slots.json"
+    assert module.main(["--model", str(model_dir), "--questions", str(write_questions(tmp_path / "q.jsonl")),
+                        "--limit", "2", "--max-new-tokens", "12", "--slots", "3,7", "--threads", "1",
+                        "--output", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["plan"] for r in rows] == ["ar-compiled", "default, 3 slots", "default, 7 slots"]
+    assert all(r["identical"] == 2 and r["block_efficiency"] >= 1.0 for r in rows)
+    assert "| default, 7 slots |" in capsys.readouterr().out
+    runners = [r for by_size in verify._RUNNERS.values() for r in by_size.values()]
+    assert any({4, 8} <= set(r.compiled_buckets) for r in runners)
+    assert module.decoding.COMPILED_DRAFT_SLOTS == verify.COMPILED_DRAFT_SLOTS  # restored by the script
