@@ -7,12 +7,11 @@ Prints | method | tok/s | vs compiled plain | block efficiency | ms per serial c
 """
 
 import time, torch, hf_bpd, json
-from hf_bpd.evaluation.bench import load_questions, encode_messages
+from hf_bpd.evaluation.bench import first_turn_inputs
 torch.set_num_threads(2)
 m = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained("checkpoints/smollm2-135m-instruct-bpd")
 tok = hf_bpd.load_tokenizer("checkpoints/smollm2-135m-instruct-bpd")
-qs = load_questions("benchmarks/bench_prompts.jsonl")
-inputs = [encode_messages(tok, [{"role": "user", "content": q["turns"][0]}]) for q in qs]
+inputs = first_turn_inputs(tok, "benchmarks/bench_prompts.jsonl")
 runs = {"ar-compiled": dict(use_heads=False, compile=True)}
 for h in (4, 3, 2):
     runs[f"bpd+ngram-compiled h={h}"] = dict(rescorer="ngram", compile=True, num_heads_to_use=h)

@@ -12,7 +12,7 @@ import time
 import torch
 
 import hf_bpd
-from hf_bpd.evaluation.bench import encode_messages, load_questions
+from hf_bpd.evaluation.bench import first_turn_inputs
 from hf_bpd.generation import decoding, verify
 
 
@@ -28,9 +28,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.model)
-    tok = hf_bpd.load_tokenizer(args.model)
-    questions = load_questions(args.questions)[: args.limit]
-    inputs = [encode_messages(tok, [{"role": "user", "content": q["turns"][0]}]) for q in questions]
+    inputs = first_turn_inputs(hf_bpd.load_tokenizer(args.model), args.questions, args.limit)
     slots = [int(x) for x in args.slots.split(",")]
     plans = {"ar-compiled": (None, dict(use_heads=False, compile=True))}
     plans.update({f"default, {s} slots": (s, {}) for s in slots})

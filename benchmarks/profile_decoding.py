@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import hf_bpd
-from hf_bpd.evaluation.bench import encode_messages, load_questions
+from hf_bpd.evaluation.bench import first_turn_inputs
 
 METHODS = {
     "bpd": dict(rescorer=None, num_drafts=1, tree=None),
@@ -93,9 +93,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.model)
-    tokenizer = hf_bpd.load_tokenizer(args.model)
-    questions = load_questions(args.questions)[: args.limit]
-    prompts = [encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in questions]
+    prompts = first_turn_inputs(hf_bpd.load_tokenizer(args.model), args.questions, args.limit)
     model.generate(**prompts[0], max_new_tokens=8, do_sample=False)  # warm-up
     rows = {}
     for method in args.methods.split(","):

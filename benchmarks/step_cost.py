@@ -18,7 +18,7 @@ import time
 import torch
 
 import hf_bpd
-from hf_bpd.evaluation.bench import encode_messages, load_questions
+from hf_bpd.evaluation.bench import first_turn_inputs
 from hf_bpd.generation import drafting, verify
 from hf_bpd.lattice import Lattice
 
@@ -54,9 +54,7 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(2)
     model = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.model)
-    tok = hf_bpd.load_tokenizer(args.model)
-    inputs = [encode_messages(tok, [{"role": "user", "content": q["turns"][0]}])
-              for q in load_questions(args.questions)[: args.limit]]
+    inputs = first_turn_inputs(hf_bpd.load_tokenizer(args.model), args.questions, args.limit)
     options = dict(rescorer=None if args.rescorer == "none" else args.rescorer, compile=not args.eager,
                    num_heads_to_use=args.heads, prompt_lookup=args.prompt_lookup, draft_schedule=args.schedule)
     model.generate(**inputs[0], max_new_tokens=8, **options)  # warm-up / compile

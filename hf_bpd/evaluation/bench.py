@@ -162,6 +162,13 @@ def encode_messages(tokenizer, messages: list[dict], chat: bool | None = None, d
     return {"input_ids": encoded["input_ids"].to(device), "attention_mask": encoded["attention_mask"].to(device)}
 
 
+def first_turn_inputs(tokenizer, path: str | Path, limit: int | None = None) -> list[dict]:
+    """The first user turn of each of the first `limit` questions of `path` (`load_questions`), encoded as one
+    conversation each (`encode_messages`, chat template when the tokenizer has one): the benchmark scripts' prompts."""
+    return [encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}])
+            for q in load_questions(path)[:limit]]
+
+
 # ------------------------------------------------------------------ decoders
 def base_of(model):
     """The plain causal LM: `model.base_lm` for a BPD model, else the model itself."""

@@ -222,11 +222,11 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
             if runner is not None:
                 # One compiled shape per drafting plan (its largest block); "cost" also compiles the one-token step.
                 # The heads' lattice comes from a compiled heads step too.
-                if isinstance(plan.drafter, BlockDrafter):
+                heads = model.heads if isinstance(plan.drafter, BlockDrafter) else None
+                if heads is not None:
                     plan.drafter.slots = max(COMPILED_DRAFT_SLOTS, plan.drafter.num_heads)
                 largest = plan.drafter.max_block_length()
                 buckets = sorted({1, largest} if plan.schedule == "cost" else {largest})
-                heads = model.heads if isinstance(plan.drafter, BlockDrafter) else None
                 top_k = head_top_k(plan.drafter.top_k, model.config.draft_size) if heads is not None else 0
                 before = sum(runner.compiled_buckets.values()) + sum(runner.compiled_heads.values())
                 runner.warm_up(buckets, input_ids.device, heads, top_k)
@@ -240,9 +240,7 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
                           "decoding eagerly", stacklevel=3)
             _RUNNERS.pop(model.base_lm, None)
             verifier, runner = None, None
-            if isinstance(plan.drafter, BlockDrafter):
-                plan.drafter.slots = None
-            plan.drafter.head_top = None
+            plan.drafter.slots, plan.drafter.head_top = None, None
     if verifier is None:
         verifier = EagerVerifier(model, model_kwargs.get("past_key_values"), model_kwargs.get("attention_mask"))
     budget = None
