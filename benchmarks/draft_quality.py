@@ -58,7 +58,7 @@ def decoded(model, tokenizer, questions, refs, rescorer, max_new_tokens: int) ->
     for q in questions:
         inputs = encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], None)
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, rescorer=rescorer,
-                             num_heads_to_use=model.config.num_heads, compile=False, prompt_lookup=False,
+                             num_heads_to_use=model.config.num_heads, compile=False, prompt_lookup=False, draft_nodes=None,
                              draft_schedule="fixed")
         stats = model.last_generation_stats
         tokens += stats.new_tokens

@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     else:
         inputs = tokenizer(PROMPT, return_tensors="pt")
     names = args.rescorers.split(",") if args.rescorers else ["none", *sorted(model.bundled_rescorers)]
-    common = dict(compile=args.compile, num_drafts=1, tree=None, draft_top_k=None)
+    common = dict(compile=args.compile, num_drafts=1, tree=None, draft_top_k=None, draft_nodes=None)
 
     def log(name, row):
         print(f"long_run: {name}: {row['new_tokens']} tokens in {row['seconds']:.1f} s, peak RSS "

@@ -29,9 +29,9 @@ import hf_bpd
 from hf_bpd.evaluation.bench import first_turn_inputs
 
 METHODS = {
-    "bpd": dict(rescorer=None, num_drafts=1, tree=None),
-    "bpd+ngram": dict(rescorer="ngram", num_drafts=1, tree=None),
-    "bpd+neural": dict(rescorer="neural", num_drafts=1, tree=None),
+    "bpd": dict(rescorer=None, num_drafts=1, tree=None, draft_nodes=None),
+    "bpd+ngram": dict(rescorer="ngram", num_drafts=1, tree=None, draft_nodes=None),
+    "bpd+neural": dict(rescorer="neural", num_drafts=1, tree=None, draft_nodes=None),
     "pbest-ngram": dict(rescorer="ngram", num_drafts=4, tree=None),
     "tree": dict(rescorer=None, num_drafts=1, tree=(4, 2, 2, 1)),  # widths, cut to the model's heads
 }

@@ -2,6 +2,7 @@
 
     python benchmarks/step_cost.py --heads 3 --limit 4            # compiled, bpd+ngram, 3 heads
     python benchmarks/step_cost.py --heads 4 --eager --rescorer none
+    python benchmarks/step_cost.py --heads 4 --prompt-lookup --num-drafts 8 --draft-nodes 7   # the shipped default
 
 Parts are timed by wrapping the library's functions for this process only (no profiler, so Python is not slowed):
 drafts (all drafting: heads, lattice, rescoring, prompt lookup), of which heads / lattice / rescore; verify (the
@@ -51,12 +52,15 @@ def main():
     p.add_argument("--eager", action="store_true")
     p.add_argument("--prompt-lookup", action="store_true")
     p.add_argument("--schedule", default="fixed")
+    p.add_argument("--num-drafts", type=int, default=1)
+    p.add_argument("--draft-nodes", type=int, default=None)
     args = p.parse_args()
     torch.set_num_threads(2)
     model = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.model)
     inputs = first_turn_inputs(hf_bpd.load_tokenizer(args.model), args.questions, args.limit)
     options = dict(rescorer=None if args.rescorer == "none" else args.rescorer, compile=not args.eager,
-                   num_heads_to_use=args.heads, prompt_lookup=args.prompt_lookup, draft_schedule=args.schedule)
+                   num_heads_to_use=args.heads, prompt_lookup=args.prompt_lookup, draft_schedule=args.schedule,
+                   num_drafts=args.num_drafts, draft_nodes=args.draft_nodes, tree=None)
     model.generate(**inputs[0], max_new_tokens=8, **options)  # warm-up / compile
     plain = dict(use_heads=False, compile=not args.eager)
     if not args.eager:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from .limits import MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS
+from .limits import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 DEFAULT_QUESTIONS = "benchmarks/dev_prompts.jsonl"
@@ -132,7 +132,7 @@ def _draft_options(args) -> dict:
     options = {}
     if args.rescorer is not None:
         options["rescorer"] = args.rescorer
-    for name in ("num_drafts", "draft_top_k", "num_heads_to_use", "draft_schedule", "prompt_lookup"):
+    for name in ("num_drafts", "draft_top_k", "num_heads_to_use", "draft_schedule", "prompt_lookup", "draft_nodes"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     if args.tree:
@@ -150,6 +150,8 @@ def _method_label(model, options: dict) -> str:
     if options.get("tree", config.tree) is not None:
         return f"tree{name}{compiled}"
     drafts = options.get("num_drafts") or config.num_drafts
+    nodes = options.get("draft_nodes", getattr(config, "draft_nodes", None))
+    compiled = (f", {nodes} nodes" if nodes is not None else "") + compiled
     return f"bpd{name}" + (f", {drafts}-best" if drafts > 1 else "") + compiled
 
 
@@ -172,8 +174,9 @@ def _check_sampling(args) -> None:
 
 def _check_drafting_flags(args) -> None:
     """Ranges of the drafting flags (the ones that depend on the checkpoint are checked once it is loaded)."""
-    _positive(args, "num_drafts", "draft_top_k", "num_heads_to_use")
-    for name, high in (("draft_top_k", MAX_DRAFT_TOP_K), ("num_drafts", MAX_NUM_DRAFTS)):
+    _positive(args, "num_drafts", "draft_top_k", "num_heads_to_use", "draft_nodes")
+    for name, high in (("draft_top_k", MAX_DRAFT_TOP_K), ("num_drafts", MAX_NUM_DRAFTS),
+                       ("draft_nodes", MAX_DRAFT_NODES)):
         value = getattr(args, name, None)
         if value is not None and value > high:
             raise ValueError(f"--{name.replace('_', '-')}: {name} must be an integer in [1, {high}], got {value} "
@@ -197,9 +200,9 @@ def cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise ValueError("--prompt is empty: pass the text to continue")
     if args.no_heads and (args.rescorer or args.tree or args.num_drafts or args.draft_top_k or args.num_heads_to_use
-                          or args.prompt_lookup is not None or args.draft_schedule):
+                          or args.prompt_lookup is not None or args.draft_schedule or args.draft_nodes):
         raise ValueError("--no-heads decodes plainly, so drafting flags (--rescorer, --num-drafts, --draft-top-k, "
-                         "--tree, --num-heads-to-use, --prompt-lookup, --draft-schedule) would be ignored: drop them")
+                         "--tree, --num-heads-to-use, --prompt-lookup, --draft-schedule, --draft-nodes) would be ignored: drop them")
     _locate(args.model)
     import torch
     from transformers import TextStreamer
@@ -210,7 +213,7 @@ def cmd_generate(args) -> int:
     has_heads = hasattr(model, "heads")
     options = _draft_options(args) if has_heads else {}
     if not has_heads and (args.rescorer or args.tree or args.num_drafts or args.draft_top_k or args.num_heads_to_use
-                          or args.prompt_lookup is not None or args.draft_schedule):
+                          or args.prompt_lookup is not None or args.draft_schedule or args.draft_nodes):
         raise ValueError(f"{args.model} is a plain base model: drafting options need a heads checkpoint")
     inputs = _encode(tokenizer, args.prompt, args.chat).to(model.device)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
@@ -237,7 +240,7 @@ def cmd_generate(args) -> int:
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
     prompt_length = inputs["input_ids"].shape[1]
     # the comparison's plain BPD row: the heads' argmax chain, same heads and compilation as this run
-    plain_bpd = dict(rescorer=None, num_drafts=1, tree=None, prompt_lookup=False, draft_schedule="fixed",
+    plain_bpd = dict(rescorer=None, num_drafts=1, tree=None, prompt_lookup=False, draft_nodes=None, draft_schedule="fixed",
                      compile=compiled, **{k: v for k, v in options.items() if k in ("num_heads_to_use", "tie_margin")})
     same_ties = {k: v for k, v in options.items() if k == "tie_margin"}  # compiled plain decides near-ties alike
     if args.compare or compiled:  # warm-up (allocations, rescorer loading, compilation) is not timed
@@ -377,7 +380,8 @@ def cmd_bench(args) -> int:
         return 0
     options = bench.BenchOptions(tree_widths=tuple(_int_list(args.tree, "--tree")), num_drafts=args.num_drafts,
                                  draft_top_k=args.draft_top_k, pld_tokens=args.pld_tokens,
-                                 early_exit_layer=args.early_exit_layer, num_heads_to_use=args.num_heads_to_use)
+                                 early_exit_layer=args.early_exit_layer, num_heads_to_use=args.num_heads_to_use,
+                                 draft_nodes=args.draft_nodes)
     decoders = bench.default_decoders(options)
     methods = bench.parse_methods(args.methods or ",".join(bench.DEFAULT_METHODS), list(decoders))
     questions = _questions(args)
@@ -393,6 +397,7 @@ def cmd_bench(args) -> int:
                      "max_new_tokens": args.max_new_tokens, "requested_methods": methods, "chat": chat,
                      "multi_turn": args.multi_turn, "warmup": args.warmup, "seed": args.seed, "dtype": args.dtype,
                      "tree": list(options.tree_widths), "num_drafts": options.num_drafts,
+                     "draft_nodes": options.draft_nodes,
                      "draft_top_k": options.draft_top_k, "pld_tokens": options.pld_tokens,
                      "num_heads_to_use": options.num_heads_to_use,
                      "early_exit_layer": options.early_exit_layer},
@@ -738,6 +743,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-schedule", choices=["fixed", "cost"], default=None,
                      help="fixed: verify every drafted token; cost: only those expected to pay for their verification "
                           "(calibrated head confidences x this machine's forward costs) (default: the checkpoint's)")
+    gen.add_argument("--draft-nodes", type=int, default=None, metavar="N",
+                     help=f"verify N draft tokens per step, 1-{MAX_DRAFT_NODES}: the p-best paths and prompt lookup's "
+                          "copy compete for them, likeliest first (default: the checkpoint's)")
     gen.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                      help="verify with a torch.compile'd step on a static cache (first use compiles, ~1-2 min for "
                           "SmolLM2 on a CPU; --compare then also times compiled plain decoding); --no-compile: eager "
@@ -760,13 +768,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(bench)
     bench.add_argument("--methods", default=None,
                        help="comma-separated methods: ar, pld, early-exit, default, pbest, pbest-ngram, tree, "
-                            "tree+ngram, ar-compiled, and bpd[+RESCORER][+lookup][-compiled][-cost] (ar always runs) "
+                            "tree+ngram, pbest-ngram+lookup[-nodes][-compiled], ar-compiled, and bpd[+RESCORER][+lookup][-compiled][-cost] (ar always runs) "
                             f"(default: {','.join(BENCH_DEFAULT_METHODS)})")
     bench.add_argument("--multi-turn", action="store_true",
                        help="run every MT-bench turn as a conversation (earlier answers: ar's), not only turn 1")
     bench.add_argument("--tree", default="4,2,2,1", metavar="WIDTHS",
                        help="sparse tree widths per head for tree / tree+ngram (cut to the model's heads)")
     bench.add_argument("--num-drafts", type=int, default=4, help=f"p for the p-best methods, 1-{MAX_NUM_DRAFTS}")
+    bench.add_argument("--draft-nodes", type=int, default=15, metavar="N",
+                       help=f"draft nodes per step for the pbest-ngram+lookup-nodes methods, 1-{MAX_DRAFT_NODES}")
     bench.add_argument("--num-heads-to-use", type=int, default=None,
                        help="chain methods (bpd...) draft with the first N heads (default: the checkpoint's)")
     bench.add_argument("--draft-top-k", type=int, default=None,

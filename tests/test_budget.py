@@ -184,3 +184,99 @@ def test_lookup_records_read_acceptance_off_the_greedy_output():
     # step 1 context ...9 1 -> copy (2, 3) vs truth (2, 3): 2 hits; step 2 context ...1 2 3 -> copy (9, 1) vs (4,):
     # miss; step 3 context ends at 4: nothing recurs, no record
     assert lookup_records(sequence, 5, stats, 2) == [(0, True), (1, True), (0, False)]
+
+
+# ------------------------------------------------------------------ a budget of draft nodes (`draft_nodes`)
+@pytest.mark.parametrize("options", [{"num_drafts": 4, "draft_top_k": 3, "draft_nodes": 5, "prompt_lookup": True},
+                                     {"num_drafts": 3, "draft_top_k": 2, "draft_nodes": 2},
+                                     {"num_drafts": 1, "draft_nodes": 1, "prompt_lookup": True},
+                                     {"num_drafts": 6, "draft_top_k": 4, "draft_nodes": 9, "rescorer": "oracle"}])
+def test_draft_nodes_decode_exactly_within_the_budget(one_thread, options):
+    """The p-best paths and the copy compete for `draft_nodes` nodes: every step verifies at most that many draft
+    tokens, and the output is the base's greedy output."""
+    model = random_bpd("llama", 7)
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.cat([torch.randint(3, 60, (1, 5), generator=generator)] * 3, dim=1)
+    kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
+    expected = model.base_lm.generate(ids, **kwargs)
+    call = dict(options)
+    if call.get("rescorer") == "oracle":
+        call["rescorer"] = OracleRescorer(expected[0].tolist())
+    got = model.generate(ids, **call, **kwargs)
+    assert torch.equal(got, expected), options
+    stats = model.last_generation_stats
+    assert max(stats.draft_tokens) <= options["draft_nodes"] and stats.method.endswith(f"/{options['draft_nodes']} nodes")
+    if "rescorer" in options:  # the oracle's best path is the truth: with 9 nodes every one of its tokens is verified
+        assert stats.block_efficiency > 3.0
+
+
+def test_draft_nodes_fill_best_first_from_the_p_best_paths(one_thread):
+    """The drafter's rule: nodes go to the likeliest tokens, a lower-ranked path's tokens discounted by its measured
+    rank factor, so the budget holds the best path and the next path's likeliest branch."""
+    from hf_bpd.generation.drafting import BlockDrafter
+
+    model = random_bpd("llama", 7)
+    hidden = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    context = [11, 12, 13]
+    drafter = BlockDrafter(model.heads, 3, top_k=4, num_drafts=4, draft_nodes=4)
+    paths = [d for d in drafter.head_drafts(hidden, context, 10)[0]]
+    assert len(paths) == 4 and paths[0] != paths[1]
+    drafter.calibration = HeadCalibration([1.0], [[1.0]] * 3)  # every token certain: the best path, then rank 1's
+    drafts, _ = drafter.drafts(hidden, context, 10)
+    nodes = {d[: j + 1] for d in drafts for j in range(len(d))}
+    assert len(nodes) == 4 and paths[0] in drafts and drafter.max_block_length() == 5
+    branch = next(d for d in drafts if d != paths[0])
+    assert paths[1][: len(branch)] == branch  # the second path's first own node
+    drafter.calibration = HeadCalibration([1.0], [[1.0]] * 3, ranks=[0.01])  # lower ranks nearly never accepted
+    drafts, _ = drafter.drafts(hidden, context, 10)
+    assert drafts[0] == paths[0] and len({d[: j + 1] for d in drafts for j in range(len(d))}) == 4
+    assert drafter.calibration.rank_factor(0) == 1.0 and drafter.calibration.rank_factor(5) == 0.01
+    assert all(len(d) <= 2 for d in drafter.drafts(hidden, context, 2)[0])  # room left in max_length
+
+
+def test_rank_factors_are_measured_and_saved(one_thread):
+    from hf_bpd.evaluation.calibration import rank_records
+    from hf_bpd.rescorers.base import HeadScoreRescorer
+
+    records = [(0, 0.95, True)] * 50 + [(0, 0.15, False)] * 50
+    ranked = [(1, 0, 0.95, True)] * 30 + [(1, 0, 0.95, False)] * 70 + [(2, 0, 0.95, False)] * 40 + [(0, 0, .95, True)]
+    cal = HeadCalibration.fit(records, 1, rank_records=ranked)
+    base = cal.rate(0, 0.95)
+    assert cal.ranks[0] == pytest.approx((30 + 1) / (100 * base + 2), abs=1e-4) and cal.ranks[1] < 0.05
+    assert HeadCalibration.from_dict(json.loads(json.dumps(cal.to_dict()))).ranks == cal.ranks
+    with pytest.raises(BPDConfigError, match="rank factors"):
+        HeadCalibration([1.0], [[0.5]], ranks=[1.5])
+    # teacher-forced records along a greedy output: ranks 0..p-1, only tried tokens, the truth is what follows
+    model = random_bpd("llama", 6)
+    ids = prompt_ids(2, 6)
+    out = model.base_lm.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)[0].tolist()
+    got = rank_records(model, out, 6, HeadScoreRescorer(), 3, 4, 5)
+    assert got and {r for r, _, _, _ in got} <= set(range(5)) and {h for _, h, _, _ in got} <= {0, 1, 2}
+    assert any(ok for *_, ok in got) or all(not ok for *_, ok in got)
+    assert all(0 <= p <= 1 for _, _, p, _ in got)
+    cal, _ = calibrate(model, [{"input_ids": ids}], max_new_tokens=12, eos_token_id=None)
+    assert cal.ranks is not None and len(cal.ranks) == 2
+
+
+def test_draft_nodes_options_fail_in_one_line(one_thread):
+    model = random_bpd("llama", 3)
+    ids = prompt_ids(1, 5)
+    for bad, match in [(0, "draft_nodes must be"), (10**6, "draft_nodes must be"), ("7", "draft_nodes must be")]:
+        with pytest.raises((BPDConfigError, TypeError), match=match):
+            model.generate(ids, max_new_tokens=4, draft_nodes=bad)
+    with pytest.raises(BPDConfigError, match="tree= fixes the verified nodes"):
+        model.generate(ids, max_new_tokens=4, draft_nodes=3, tree=(2, 1))
+    # a per-call value wins over the model's generation config
+    kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=None)
+    expected = model.base_lm.generate(ids, **kwargs)
+    try:
+        model.generation_config.draft_nodes = 2
+        assert torch.equal(model.generate(ids, tree=(2, 1), **kwargs), expected)
+        assert model.last_generation_stats.method == "tree"
+        assert torch.equal(model.generate(ids, **kwargs), expected)
+        assert max(model.last_generation_stats.draft_tokens) <= 2
+        model.generation_config.tree = (2, 1)
+        assert torch.equal(model.generate(ids, draft_nodes=3, **kwargs), expected)  # the per-call budget
+        assert model.last_generation_stats.method.endswith("/3 nodes")
+    finally:
+        model.generation_config.draft_nodes, model.generation_config.tree = None, None

@@ -64,23 +64,25 @@ def test_shipped_checkpoint_tree_with_ngram_is_exact(shipped):
 
 
 def test_shipped_checkpoint_default_generate_is_exact(shipped):
-    """What a user gets: the checkpoint's generation_config.json (compiled verification, 3 heads, n-gram rescoring,
-    prompt lookup's copy competing with the chain for the 7 draft nodes of a compiled block of 8), token for token
-    against SmolLM2's eager greedy generate()."""
+    """What a user gets: the checkpoint's generation_config.json (compiled verification, 4 heads, the 8 best n-gram
+    paths and prompt lookup's copy competing for the 7 draft nodes of a compiled block of 8), token for token against
+    SmolLM2's eager greedy generate()."""
     from hf_bpd.generation.verify import COMPILED_DRAFT_SLOTS
 
     model, inputs, expected = shipped
     config = model.generation_config
-    assert (config.compile, config.num_heads_to_use, config.rescorer, config.prompt_lookup) == (True, 3, "ngram", True)
+    assert (config.compile, config.num_heads_to_use, config.rescorer, config.prompt_lookup) == (True, 4, "ngram", True)
+    assert (config.num_drafts, config.draft_nodes) == (8, COMPILED_DRAFT_SLOTS)
+    assert model.config.head_calibration["ranks"][0] < 1  # measured: a second-best path's tokens are weighed less
     served, widest = 0, 0
     for x, want in zip(inputs, expected):
         got = model.generate(**x, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
         assert torch.equal(got, want), x["input_ids"].shape
         stats = model.last_generation_stats
-        assert stats.method == "chain+lookup" and max(stats.draft_tokens) <= COMPILED_DRAFT_SLOTS
+        assert stats.method == "p-best+lookup/7 nodes" and max(stats.draft_tokens) <= COMPILED_DRAFT_SLOTS
         served += sum(stats.accepted_lengths)
         widest = max(widest, max(stats.draft_tokens))
-    assert served > 0 and widest > 3  # the copy used nodes beyond the chain's 3
+    assert served > 0 and widest == COMPILED_DRAFT_SLOTS  # the paths and the copy fill the block
 
 
 def test_readme_main_job_prints_text_block_efficiency_and_speedup(shipped, capsys):
@@ -93,7 +95,7 @@ def test_readme_main_job_prints_text_block_efficiency_and_speedup(shipped, capsy
     out = capsys.readouterr().out
     assert "block efficiency:" in out and "speed-up:" in out and "identical output: True" in out
     assert "| plain greedy generate() |" in out and "| bpd (heads' top-1 draft) |" in out
-    assert "| bpd + ngram + lookup (above) |" in out and "| NO |" not in out
+    assert "| bpd + ngram + lookup, 8-best, 7 nodes (above) |" in out and "| NO |" not in out
 
 
 def test_shipped_gemma_checkpoint_is_exact_and_drafts(tmp_path):

@@ -102,6 +102,11 @@ BAD_ARGS = [
     (["generate", "--model", "{heads}", "--rescorer", "ngram"], "bundles no ngram"),
     (["generate", "--model", "{heads}", "--draft-top-k", "100000"], "draft_top_k must be an integer in"),
     (["generate", "--model", "{base}", "--num-drafts", "2"], "plain base model"),
+    (["generate", "--model", "{heads}", "--draft-nodes", "0"], "--draft-nodes must be >= 1"),
+    (["generate", "--model", "{heads}", "--draft-nodes", "300"], "draft_nodes must be an integer in [1, 256]"),
+    (["generate", "--model", "{heads}", "--draft-nodes", "3", "--tree", "2,1"], "tree= fixes the verified nodes"),
+    (["generate", "--model", "{base}", "--draft-nodes", "3"], "plain base model"),
+    (["bench", "--questions", "{questions}", "--draft-nodes", "0"], "--draft-nodes must be >= 1"),
 ]
 
 
@@ -124,12 +129,12 @@ def test_bad_questions_file_in_a_real_process(tmp_path):
 
 def test_generate_with_heads_prints_a_side_by_side_table(tiny, capsys):
     code = run_main(["generate", "--model", tiny["heads"], "--prompt", "hello world", "--max-new-tokens", "12",
-                     "--num-drafts", "2", "--draft-top-k", "2", "--compare", "--threads", "1"])
+                     "--num-drafts", "2", "--draft-top-k", "2", "--draft-nodes", "3", "--compare", "--threads", "1"])
     out = capsys.readouterr().out
     assert code == 0
     assert "| method | tok/s | speed-up | block efficiency | identical to plain |" in out
     assert "| plain greedy generate() |" in out and "| bpd (heads' top-1 draft) |" in out
-    assert "| bpd, 2-best (above) |" in out
+    assert "| bpd, 2-best, 3 nodes (above) |" in out
     assert out.count("| yes |") == 2 and "| NO |" not in out and "identical output: True" in out
 
 

@@ -25,7 +25,8 @@ def model(one_thread):
 
 
 @pytest.mark.parametrize("options", [{}, {"tree": (2, 2, 1)}, {"num_drafts": 3, "draft_top_k": 2},
-                                     {"use_heads": False}], ids=["chain", "tree", "pbest", "plain"])
+                                     {"num_drafts": 3, "draft_top_k": 2, "draft_nodes": 3, "prompt_lookup": True},
+                                     {"use_heads": False}], ids=["chain", "tree", "pbest", "nodes", "plain"])
 def test_compiled_decoding_equals_the_base_greedy_output(model, options):
     for seed in range(4):
         ids = prompt(seed, 3 + 4 * seed)
@@ -36,6 +37,8 @@ def test_compiled_decoding_equals_the_base_greedy_output(model, options):
         stats = model.last_generation_stats
         assert stats.new_tokens == got.shape[1] - ids.shape[1]
         assert stats.method == ("plain-compiled" if options.get("use_heads") is False else stats.method)
+        if "draft_nodes" in options:  # the paths and the copy share the compiled block of 4 the chain uses
+            assert max(stats.draft_tokens) <= 3 and stats.method == "p-best+lookup/3 nodes"
     # the steps compiled once: later calls pay nothing
     assert model.last_generation_stats.compile_seconds == 0.0
     runner = next(iter(verify._RUNNERS[model.base_lm].values()))

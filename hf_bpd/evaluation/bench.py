@@ -79,6 +79,7 @@ class BenchOptions:
     pld_tokens: int = 10
     early_exit_layer: int | None = None  # default: half the base's layers
     num_heads_to_use: int | None = None  # chain methods draft with the first heads only (None: the checkpoint's)
+    draft_nodes: int = 15  # the -nodes methods: draft tokens per verification, filled best-first
 
 
 # ------------------------------------------------------------------ prompts
@@ -276,7 +277,7 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
     p = functools.partial
     # Explicit options: a checkpoint's own defaults (generation_config.rescorer, num_drafts, tree) must not change
     # what a method name means. rescorer=None: the heads' own scores.
-    chain = dict(num_drafts=1, tree=None)
+    chain = dict(num_drafts=1, tree=None, draft_nodes=None)
     if o.num_heads_to_use is not None:
         chain["num_heads_to_use"] = o.num_heads_to_use
     decoders = {
@@ -300,7 +301,7 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
     # The checkpoint's own generate() defaults (its generation_config.json), whatever they are.
     decoders["default"] = decode_bpd
     # p-best and trees: eager, heads only (a checkpoint's compile / prompt_lookup / schedule defaults do not apply)
-    plain = dict(compile=False, prompt_lookup=False, draft_schedule="fixed")
+    plain = dict(compile=False, prompt_lookup=False, draft_schedule="fixed", draft_nodes=None)
     if o.num_heads_to_use is not None:
         plain["num_heads_to_use"] = o.num_heads_to_use
     decoders.update({
@@ -311,6 +312,12 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
                                 **{**plain, "prompt_lookup": True}, **k),
         "pbest-ngram+lookup-compiled": p(decode_bpd, rescorer="ngram", num_drafts=o.num_drafts, tree=None,
                                          **{**plain, "prompt_lookup": True, "compile": True}, **k),
+        # the same paths and copy competing for a budget of draft nodes (`draft_nodes`): one block of 1 + N tokens
+        "pbest-ngram+lookup-nodes": p(decode_bpd, rescorer="ngram", num_drafts=o.num_drafts, tree=None,
+                                      **{**plain, "prompt_lookup": True, "draft_nodes": o.draft_nodes}, **k),
+        "pbest-ngram+lookup-nodes-compiled": p(decode_bpd, rescorer="ngram", num_drafts=o.num_drafts, tree=None,
+                                               **{**plain, "prompt_lookup": True, "compile": True,
+                                                  "draft_nodes": o.draft_nodes}, **k),
         "tree": p(decode_bpd, rescorer=None, tree_widths=o.tree_widths, **plain),
         "tree+ngram": p(decode_bpd, rescorer="ngram", tree_widths=o.tree_widths, tree_leaves_as_drafts=True,
                         tree=None, **plain, **k),

@@ -5,13 +5,18 @@ probabilities of the drafted tokens and how many were accepted. Draft token `i` 
 were accepted and *accepted* when `i` < the accepted length. `HeadCalibration.fit` bins the tries per head;
 `draft_schedule="cost"` reads the fitted rates from the checkpoint's `config.json` (`head_calibration`). Prompt
 lookup's copy is scored the same way, per position, from what followed each step (`lookup_records`); chain drafting
-with `prompt_lookup=True` weighs the two with these rates.
+with `prompt_lookup=True` weighs the two with these rates. With a node budget (`draft_nodes`) the p-best paths compete
+too: a token first drafted by a lower-ranked path is accepted less often than its head's confidence says, and the
+factor per rank is measured teacher-forced along the same greedy outputs (`rank_records`).
 """
 
 from __future__ import annotations
 
+import torch
+
 from ..generation.budget import HeadCalibration
 from ..generation.lookup import prompt_lookup
+from ..lattice import Lattice
 
 
 def acceptance_records(stats) -> list[tuple[int, float, bool]]:
@@ -43,19 +48,63 @@ def lookup_records(sequence: list[int], prompt_length: int, stats, num_tokens: i
     return records
 
 
-def calibrate(model, prompts, max_new_tokens: int = 256, bins: int = 10, **options) -> tuple[HeadCalibration, list]:
+@torch.no_grad()
+def rank_records(model, sequence: list[int], prompt_length: int, rescorer, num_heads: int, top_k: int,
+                 num_drafts: int) -> list[tuple[int, int, float, bool]]:
+    """`(rank, head, probability, accepted)` for every token of the `num_drafts` best paths at every position of one
+    greedy output that would be tried (its path's earlier tokens are the output's), `rank` being the best path that
+    drafts it. Teacher-forced: one base forward over the output, the heads on every position."""
+    new = sequence[prompt_length:]
+    steps = len(new) - 1
+    if steps <= 0:
+        return []
+    ids = torch.tensor([sequence[: prompt_length - 1 + steps]], device=model.device)
+    hidden = model(ids, return_head_logits=False).last_hidden_state[0, prompt_length - 1:]
+    tokens = torch.tensor([sequence], device=model.device)[:, prompt_length - 1:]
+    logits = model.heads(hidden[None], num_heads, tokens=tokens)[0]  # (heads, steps, draft vocab)
+    records = []
+    rescorer.reset()
+    for j in range(steps):
+        lattice = Lattice.from_head_logits(logits[:, j], top_k, model.heads.to_vocab_ids)
+        truth = new[j + 1: j + 1 + num_heads]
+        seen = set()
+        for rank, draft in enumerate(rescorer.rescore(lattice, sequence[: prompt_length + j + 1], num_drafts)):
+            probs = lattice.token_probs(draft.tokens)
+            for i, token in enumerate(draft.tokens[: len(truth)]):
+                if tuple(draft.tokens[:i]) != tuple(truth[:i]):
+                    break  # not tried: an earlier token is rejected
+                if draft.tokens[: i + 1] not in seen:
+                    seen.add(draft.tokens[: i + 1])
+                    records.append((rank, i, probs[i], token == truth[i]))
+    return records
+
+
+def calibrate(model, prompts, max_new_tokens: int = 256, bins: int = 10, rank_paths: int = 8, **options) -> tuple[HeadCalibration, list]:
     """Fit a `HeadCalibration` for `model` from chain decoding of `prompts` (a list of encoded inputs): the heads'
-    rates per confidence bin and prompt lookup's per-position rates. `options` are drafting options (e.g.
-    `rescorer`), the checkpoint's own by default. Returns `(calibration, head records)`."""
-    records, copies = [], []
+    rates per confidence bin, prompt lookup's per-position rates and the p-best paths' rank factors (`rank_paths`
+    best paths of the rescorer's top-k lattice). `options` are drafting options (e.g. `rescorer`), the checkpoint's
+    own by default. Returns `(calibration, head records)`."""
+    from ..generation.config import MAX_DRAFT_TOP_K
+    from ..rescorers.base import resolve_rescorer
+
+    records, copies, ranked = [], [], []
+    rescorer = options.get("rescorer", model.generation_config.rescorer)
+    rescorer = resolve_rescorer(rescorer, model.bundled_rescorers, model).for_call()
+    heads = options.get("num_heads_to_use") or model.config.num_heads
+    top_k = min(options.get("draft_top_k") or 16, model.config.draft_size, MAX_DRAFT_TOP_K)
     options.setdefault("compile", False)  # acceptance does not depend on the kernels; compiling would cost minutes
     for inputs in prompts:
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_drafts=1, tree=None,
-                             draft_schedule="fixed", prompt_lookup=False, **options)
+                             draft_nodes=None, draft_schedule="fixed", prompt_lookup=False, **options)
         stats = model.last_generation_stats
         records += acceptance_records(stats)
         copies += lookup_records(out[0].tolist(), inputs["input_ids"].shape[1], stats, model.config.num_heads)
-    return HeadCalibration.fit(records, model.config.num_heads, bins=bins, lookup_records=copies), records
+        if rank_paths > 1:
+            ranked += rank_records(model, out[0].tolist(), inputs["input_ids"].shape[1], rescorer, heads, top_k,
+                                   rank_paths)
+    calibration = HeadCalibration.fit(records, model.config.num_heads, bins=bins, lookup_records=copies,
+                                      rank_records=ranked)
+    return calibration, records
 
 
 def reliability_table(calibration: HeadCalibration, records) -> str:

@@ -37,13 +37,18 @@ class HeadCalibration:
     """
 
     def __init__(self, edges: list[float], accept: list[list[float]], counts: list[list[int]] | None = None,
-                 lookup: list[float] | None = None):
+                 lookup: list[float] | None = None, ranks: list[float] | None = None):
         if not edges or any(len(row) != len(edges) for row in accept):
             raise BPDConfigError("head_calibration needs one acceptance rate per bin edge for every head")
         if lookup is not None and (not isinstance(lookup, list) or not all(0 <= r <= 1 for r in lookup)):
             raise BPDConfigError("head_calibration's lookup rates must be a list of numbers in [0, 1]")
         self.edges, self.accept, self.counts = list(edges), [list(r) for r in accept], counts
+        if ranks is not None and (not isinstance(ranks, list) or not all(0 < r <= 1 for r in ranks)):
+            raise BPDConfigError("head_calibration's rank factors must be a list of numbers in (0, 1]")
         self.lookup = lookup  # acceptance rate of prompt lookup's token j (given the ones before it were accepted)
+        # p-best drafts: a token first drafted by the path of rank r >= 1 is accepted `ranks[r - 1]` times as often
+        # as its head's confidence says (measured; the last factor repeats; 1.0 without)
+        self.ranks = ranks
 
     @classmethod
     def default(cls) -> HeadCalibration:
@@ -54,6 +59,13 @@ class HeadCalibration:
         """Prompt lookup's per-token acceptance rates for an `n`-token copy (the last measured one repeats)."""
         rates = self.lookup or DEFAULT_LOOKUP_RATES
         return [rates[min(j, len(rates) - 1)] for j in range(n)]
+
+    def rank_factor(self, rank: int) -> float:
+        """How much less often a token of the `rank`-th best path (0: the best) is accepted than its confidence
+        says (`ranks`; 1.0 when not measured)."""
+        if rank == 0 or not self.ranks:
+            return 1.0
+        return self.ranks[min(rank, len(self.ranks)) - 1]
 
     def bin(self, prob: float) -> int:
         return min(bisect.bisect_left(self.edges, prob), len(self.edges) - 1)
@@ -67,6 +79,8 @@ class HeadCalibration:
             out["counts"] = self.counts
         if self.lookup is not None:
             out["lookup"] = self.lookup
+        if self.ranks is not None:
+            out["ranks"] = self.ranks
         return out
 
     @classmethod
@@ -77,13 +91,19 @@ class HeadCalibration:
                 not isinstance(values.get("accept"), list):
             raise BPDConfigError("head_calibration must be {'edges': [...], 'accept': [[...] per head]}: rerun "
                                  "hf-bpd calibrate, or drop it")
-        return cls(values["edges"], values["accept"], values.get("counts"), values.get("lookup"))
+        return cls(values["edges"], values["accept"], values.get("counts"), values.get("lookup"), values.get("ranks"))
 
     @classmethod
     def fit(cls, records: list[tuple[int, float, bool]], num_heads: int, bins: int = 10,
-            prior: float = 2.0, lookup_records: list[tuple[int, bool]] | None = None) -> HeadCalibration:
+            prior: float = 2.0, lookup_records: list[tuple[int, bool]] | None = None,
+            rank_records: list[tuple[int, int, float, bool]] | None = None, max_rank: int = 2) -> HeadCalibration:
         """From `(head, probability, accepted)` records: equal-width bins, each rate shrunk towards the bin's
-        mean probability by `prior` pseudo-observations (so a sparse bin stays near the raw probability)."""
+        mean probability by `prior` pseudo-observations (so a sparse bin stays near the raw probability).
+
+        `lookup_records` `(position, accepted)` give prompt lookup's per-position rates; `rank_records` `(rank,
+        head, probability, accepted)` (tokens first drafted by the p-best path of that rank, tried) give one factor
+        per rank 1 .. `max_rank` (higher ranks pooled into the last): accepted tokens over the fitted rates'
+        expectation."""
         edges = [(b + 1) / bins for b in range(bins)]
         hits = [[0.0] * bins for _ in range(num_heads)]
         totals = [[0] * bins for _ in range(num_heads)]
@@ -108,7 +128,17 @@ class HeadCalibration:
                 tries[j] += 1
                 hits[j] += bool(ok)
             lookup = [round((hits[j] + prior * 0.5) / (tries[j] + prior), 4) for j in range(length)]
-        return cls(edges, accept, totals, lookup)
+        fitted = cls(edges, accept, totals, lookup)
+        if rank_records:
+            expected, accepted = [0.0] * max_rank, [0.0] * max_rank
+            for rank, head, prob, ok in rank_records:
+                if rank >= 1:
+                    r = min(rank, max_rank) - 1
+                    expected[r] += fitted.rate(head, prob)
+                    accepted[r] += bool(ok)
+            fitted.ranks = [round(min(1.0, max(0.01, (accepted[r] + prior * 0.5) / (expected[r] + prior))), 4)
+                            for r in range(max_rank)]
+        return fitted
 
 
 def acceptance_rates(calibration: HeadCalibration | None, probs: list[float]) -> list[float]:

@@ -8,6 +8,7 @@
 | `num_drafts` | `1` | p: drafts verified together per step (> 1: tree verification) |
 | `num_heads_to_use` | `None` | draft with only the first heads (None: all) |
 | `tree` | `None` | Medusa-style tree: top-k widths per head (`"4,2,2,1"`, `(4, 2, 2, 1)`) or rank paths (`[(0,), (1,), (0, 0)]`) |
+| `draft_nodes` | `None` | a budget of draft tokens per verification: the drafts (the `num_drafts` best paths, prompt lookup's copy) compete for it best-first, likeliest-to-be-accepted node first (calibrated head confidences), so every step verifies one block of `1 + draft_nodes` tokens. None: every drafted token is verified (a compiled chain with `prompt_lookup` shares 7 nodes with the copy) |
 | `prompt_lookup` | `False` | also draft the context's continuation of its last n-gram (prompt lookup) and verify it with the heads' drafts in the same pass (`hf_bpd.generation.lookup`) |
 | `draft_schedule` | `"fixed"` | `"fixed"`: verify every drafted token; `"cost"`: per step, verify only the drafted tokens expected to pay for their verification cost (calibrated head confidences x the machine's measured forward costs; `hf_bpd.generation.budget`) |
 | `compile` | `False` | verify with a `torch.compile`d step on a reused static cache (`hf_bpd.generation.verify`); with `use_heads=False` too, for compiled plain decoding |
@@ -31,7 +32,7 @@ from ..errors import BPDConfigError, BPDTypeError, CheckpointError
 from ..limits import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS  # noqa: F401 - the documented ceilings
 
 DRAFTING_DEFAULTS = {"rescorer": None, "draft_top_k": None, "num_drafts": 1, "num_heads_to_use": None, "tree": None,
-                     "prompt_lookup": False, "draft_schedule": "fixed"}
+                     "prompt_lookup": False, "draft_schedule": "fixed", "draft_nodes": None}
 DRAFTING_OPTIONS = tuple(DRAFTING_DEFAULTS)
 DECODING_DEFAULTS = {"use_heads": True, "compile": False, "tie_margin": None}  # how the loop runs, drafting or not
 DECODING_OPTIONS = tuple(DECODING_DEFAULTS)
@@ -78,6 +79,7 @@ class DraftingOptions:
     tree: object = None
     prompt_lookup: bool = False
     draft_schedule: str = "fixed"
+    draft_nodes: int | None = None
     explicit: tuple[str, ...] = ()
 
 
@@ -102,6 +104,15 @@ def drafting_options(kwargs: dict, generation_config: GenerationConfig | None,
         if given:
             raise BPDConfigError(f"use_heads=False decodes without drafting, so {', '.join(given)} would be ignored: "
                                  "drop them, or drop use_heads=False")
+    if values["tree"] is not None and values["draft_nodes"] is not None:  # a per-call value wins over a config's
+        if "tree" in explicit and "draft_nodes" not in explicit:
+            values["draft_nodes"] = None
+        elif "draft_nodes" in explicit and "tree" not in explicit:
+            values["tree"] = None
+        else:
+            raise BPDConfigError("tree= fixes the verified nodes itself, so draft_nodes would be ignored: pass "
+                                 "draft_nodes=None with a tree, or tree=None (the p-best paths compete for "
+                                 "draft_nodes)")
     if values["tree"] is not None and "num_drafts" in explicit and values["num_drafts"] != 1:
         raise BPDConfigError(f"tree= drafts the tree's rank paths, so num_drafts={values['num_drafts']} would be "
                              "ignored: drop num_drafts, or pass tree=None (p-best drafts)")
@@ -145,6 +156,8 @@ def validate_drafting_values(values: dict, where: str = "") -> dict:
         out["draft_top_k"] = _int_value("draft_top_k", out["draft_top_k"], 1, MAX_DRAFT_TOP_K, where)
     if "num_drafts" in out:
         out["num_drafts"] = _int_value("num_drafts", out["num_drafts"], 1, MAX_NUM_DRAFTS, where)
+    if out.get("draft_nodes") is not None:
+        out["draft_nodes"] = _int_value("draft_nodes", out["draft_nodes"], 1, MAX_DRAFT_NODES, where)
     if out.get("num_heads_to_use") is not None:
         out["num_heads_to_use"] = _int_value("num_heads_to_use", out["num_heads_to_use"], 1, None, where)
     if "draft_schedule" in out and out["draft_schedule"] not in SCHEDULES:

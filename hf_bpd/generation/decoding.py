@@ -161,7 +161,9 @@ def plan_drafting(model, options: DraftingOptions) -> DecodingPlan:
     rescorer.reset()
     method = "tree" if choices is not None else ("p-best" if num_drafts > 1 else "chain")
     method += "+lookup" if options.prompt_lookup else ""
-    drafter = BlockDrafter(model.heads, n, top_k, num_drafts, rescorer, choices, options.prompt_lookup)
+    method += f"/{options.draft_nodes} nodes" if options.draft_nodes is not None and choices is None else ""
+    drafter = BlockDrafter(model.heads, n, top_k, num_drafts, rescorer, choices, options.prompt_lookup,
+                           options.draft_nodes)
     if options.draft_schedule == "cost" and drafter.max_block_length() > MAX_COST_SCHEDULE_BLOCK:
         raise WorkLimitError(f"draft_schedule='cost' weighs blocks of up to {MAX_COST_SCHEDULE_BLOCK} tokens, this "
                              f"plan verifies up to {drafter.max_block_length()}: use fewer drafts (num_drafts, tree) or "
@@ -223,8 +225,10 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
                 # One compiled shape per drafting plan (its largest block); "cost" also compiles the one-token step.
                 # The heads' lattice comes from a compiled heads step too.
                 heads = model.heads if isinstance(plan.drafter, BlockDrafter) else None
-                if heads is not None:
-                    plan.drafter.slots = max(COMPILED_DRAFT_SLOTS, plan.drafter.num_heads)
+                drafter = plan.drafter
+                if heads is not None and drafter.slots is None and drafter.prompt_lookup and \
+                        drafter.num_drafts == 1 and drafter.tree_choices is None:
+                    drafter.slots = max(COMPILED_DRAFT_SLOTS, drafter.num_heads)  # the chain and the copy share
                 largest = plan.drafter.max_block_length()
                 buckets = sorted({1, largest} if plan.schedule == "cost" else {largest})
                 top_k = head_top_k(plan.drafter.top_k, model.config.draft_size) if heads is not None else 0
@@ -240,7 +244,8 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
                           "decoding eagerly", stacklevel=3)
             _RUNNERS.pop(model.base_lm, None)
             verifier, runner = None, None
-            plan.drafter.slots, plan.drafter.head_top = None, None
+            if isinstance(plan.drafter, BlockDrafter):
+                plan.drafter.slots, plan.drafter.head_top = plan.drafter.draft_nodes, None
     if verifier is None:
         verifier = EagerVerifier(model, model_kwargs.get("past_key_values"), model_kwargs.get("attention_mask"))
     budget = None

@@ -21,15 +21,19 @@ class BlockDrafter:
         rescorer: picks drafts from the lattice; `HeadScoreRescorer` (head scores only) by default.
         tree_choices: Medusa-style rank paths; when given, the drafts are those paths instead.
         prompt_lookup: also draft the context's own continuation of its last n-gram (`hf_bpd.generation.lookup`),
-            verified with the heads' drafts in the same pass. Eagerly (and for p-best drafts and trees) it is one
-            more path, as long as the heads' drafts. For a chain under compiled verification (`slots`) the chain
-            and a copy of up to `slots` tokens compete for the compiled block's `slots` draft nodes instead
-            (`best_first_nodes`: the nodes likeliest to be accepted, from the calibrated head confidences and prompt
-            lookup's measured acceptance rates), so the compiled block has one fixed length.
+            verified with the heads' drafts in the same pass: one more path, as long as the heads' drafts, unless a
+            node budget is in effect.
+        draft_nodes: a budget of draft nodes per verification (`slots`). The heads' drafts (their `num_drafts` best
+            paths, each a chain of tokens) and the copy then compete for the budget best-first
+            (`best_first_nodes`: the nodes likeliest to be accepted, from the calibrated head confidences, a path
+            rank's measured discount and prompt lookup's measured acceptance rates), so every step verifies one
+            block of `1 + draft_nodes` tokens. Under compiled verification a chain with prompt lookup gets
+            `verify.COMPILED_DRAFT_SLOTS` nodes when none is given (set by the decoding loop).
     """
 
     def __init__(self, heads, num_heads: int, top_k: int = 1, num_drafts: int = 1, rescorer: Rescorer | None = None,
-                 tree_choices: list[tuple[int, ...]] | None = None, prompt_lookup: bool = False):
+                 tree_choices: list[tuple[int, ...]] | None = None, prompt_lookup: bool = False,
+                 draft_nodes: int | None = None):
         self.heads = heads
         self.num_heads = num_heads
         self.top_k = top_k
@@ -39,10 +43,11 @@ class BlockDrafter:
         self.prompt_lookup = prompt_lookup
         self.head_top = None  # (hidden, next token) -> (top-k log-probs, indices) of every head; set when compiled
         self.calibration: HeadCalibration | None = None  # measured acceptance rates (`hf-bpd calibrate`)
-        # Under compiled verification: the draft nodes one step verifies (the compiled block's length minus its
-        # root; set by the decoding loop, `verify.COMPILED_DRAFT_SLOTS`). A chain with prompt lookup then fills them
-        # best-first from the chain and the copy instead of adding a path. None: eager.
-        self.slots: int | None = None
+        # The draft nodes one step verifies, filled best-first from the drafts and the copy: `draft_nodes`, or, for a
+        # compiled chain with prompt lookup, the compiled block's length minus its root (set by the decoding loop,
+        # `verify.COMPILED_DRAFT_SLOTS`). None: every drafted token is verified.
+        self.draft_nodes = draft_nodes
+        self.slots: int | None = draft_nodes
         if tree_choices:
             self.top_k = max(top_k, 1 + max(r for c in tree_choices for r in c))
 
@@ -56,8 +61,8 @@ class BlockDrafter:
         return 1 + self.num_heads * self.num_drafts + lookup
 
     def _shares_slots(self) -> bool:
-        """A compiled chain with prompt lookup: the chain and the copy share `slots` draft nodes."""
-        return self.slots is not None and self.prompt_lookup and self.tree_choices is None and self.num_drafts == 1
+        """A node budget: the drafts and the copy compete for `slots` draft nodes."""
+        return self.slots is not None and self.tree_choices is None
 
     @torch.no_grad()
     def lattice(self, hidden: torch.Tensor, num_heads: int | None = None, next_token: int | None = None) -> Lattice:
@@ -73,22 +78,26 @@ class BlockDrafter:
         path, if any, last), and the heads' probabilities of the best draft's tokens (what `draft_schedule="cost"`
         weighs)."""
         drafts, probs = self.head_drafts(hidden, context, max_length)
-        if self.prompt_lookup and drafts:
-            shared = self._shares_slots()
-            copied = prompt_lookup(context, min(self.slots, max_length) if shared else max(len(d) for d in drafts))
+        best = probs[0] if probs else []
+        if self._shares_slots() and drafts:  # every draft and the copy compete for the budget's nodes
+            calibration = self.calibration or HeadCalibration.default()
+            paths = [(d, [r * calibration.rank_factor(rank) for r in acceptance_rates(self.calibration, p)])
+                     for rank, (d, p) in enumerate(zip(drafts, probs))]
+            copied = prompt_lookup(context, min(self.slots, max_length)) if self.prompt_lookup else ()
+            if copied:
+                paths.append((copied, calibration.lookup_rates(len(copied))))
+            return best_first_nodes(paths, self.slots), best
+        if self.prompt_lookup and drafts:  # one more path
+            copied = prompt_lookup(context, max(len(d) for d in drafts))
             if copied and not any(d[: len(copied)] == copied for d in drafts):
-                if shared:  # a compiled chain: the chain and the copy compete for the block's draft nodes
-                    head_rates = acceptance_rates(self.calibration, probs)
-                    copy_rates = (self.calibration or HeadCalibration.default()).lookup_rates(len(copied))
-                    drafts = best_first_nodes([(drafts[0], head_rates), (copied, copy_rates)], self.slots)
-                else:  # eagerly, or p-best / tree: one more path
-                    drafts.append(copied)
-        return drafts, probs
+                drafts.append(copied)
+        return drafts, best
 
     @torch.no_grad()
     def head_drafts(self, hidden: torch.Tensor, context: list[int], max_length: int
-                    ) -> tuple[list[tuple[int, ...]], list[float]]:
-        """The heads' drafts (see `drafts`)."""
+                    ) -> tuple[list[tuple[int, ...]], list[list[float]]]:
+        """The heads' drafts (see `drafts`) and the heads' probabilities of each draft's tokens (for a tree: of the
+        top-1 path's)."""
         n = min(self.num_heads, max_length)
         if n <= 0:
             return [], []
@@ -97,18 +106,18 @@ class BlockDrafter:
             values, indices = self.head_top(hidden, context[-1])
             values, indices = values[:n, : self.top_k].cpu(), indices[:n, : self.top_k]
             if plain:
-                return [tuple(self.heads.to_vocab_ids(indices[:, 0]).tolist())], values[:, 0].exp().tolist()
+                return [tuple(self.heads.to_vocab_ids(indices[:, 0]).tolist())], [values[:, 0].exp().tolist()]
             lattice = Lattice(self.heads.to_vocab_ids(indices).cpu(), values)
         elif plain:  # Plain BPD: the argmax of each head, no lattice needed.
             best = torch.softmax(self.heads.step_logits(hidden, n, context[-1]).float(), dim=-1).max(-1)
-            return [tuple(self.heads.to_vocab_ids(best.indices).tolist())], best.values.tolist()
+            return [tuple(self.heads.to_vocab_ids(best.indices).tolist())], [best.values.tolist()]
         else:
             lattice = self.lattice(hidden, n, context[-1])
         if self.tree_choices is not None:
             drafts = [lattice.path_tokens(c) for c in self.tree_choices if len(c) <= n]
-            return drafts, lattice.logprobs[:, 0].exp().tolist()  # the top-1 path's
+            return drafts, [lattice.logprobs[:, 0].exp().tolist()]  # the top-1 path's
         drafts = [d.tokens[:n] for d in self.rescorer.rescore(lattice, context, self.num_drafts)]
-        return drafts, lattice.token_probs(drafts[0]) if drafts else []
+        return drafts, [lattice.token_probs(d) for d in drafts]
 
 
 class NoDrafter:

@@ -212,11 +212,12 @@ class CompiledRunner:
 
     def run(self, input_ids, position_ids, cache_position, attention_mask):
         q = input_ids.shape[1]
+        if q in self.compiled_buckets:  # compiled: the settings only matter while compiling (~0.26 ms a patch)
+            return self.compiled(input_ids, position_ids, cache_position, attention_mask)
         start = time.perf_counter()
         with _Patches():
             logits, hidden = self.compiled(input_ids, position_ids, cache_position, attention_mask)
-        if q not in self.compiled_buckets:
-            self.compiled_buckets[q] = time.perf_counter() - start
+        self.compiled_buckets[q] = time.perf_counter() - start
         return logits, hidden
 
     def heads_step(self, heads, top_k: int):
@@ -227,13 +228,17 @@ class CompiledRunner:
             compiled = torch.compile(_HeadsStep(heads, top_k).eval(), dynamic=False)
             key = (id(heads), top_k)
 
+            done = []  # this step has compiled (its first call)
+
             def run(hidden, token):
-                start = time.perf_counter()
                 token = torch.as_tensor(token, dtype=torch.long, device=hidden.device)
+                if done:  # the settings only matter while compiling (see `run`)
+                    return compiled(hidden, token)
+                start = time.perf_counter()
                 with _Patches():
                     out = compiled(hidden, token)
-                if key not in self.compiled_heads:
-                    self.compiled_heads[key] = time.perf_counter() - start
+                self.compiled_heads[key] = time.perf_counter() - start
+                done.append(True)
                 return out
 
             by_width[top_k] = run
