@@ -7,8 +7,9 @@
 Parts are timed by wrapping the library's functions for this process only (no profiler, so Python is not slowed):
 drafts (all drafting: heads, lattice, rescoring, prompt lookup), of which heads / lattice / rescore; verify (the
 verification call: building the block, mask and positions + the forward), of which forward (the compiled step or the
-eager model call); keep (cache rollback); the rest of the loop (acceptance walk, logits processors, stopping
-criteria, bookkeeping) is total - drafts - verify - keep.
+eager model call); keep (cache rollback); prefill (the prompt pass, once per call, spread over its steps); referee
+(near-ties: its bookkeeping and the rare eager replays); the rest of the loop (acceptance walk, logits processors,
+stopping criteria, bookkeeping) is total minus those.
 """
 
 import argparse
@@ -74,6 +75,9 @@ def main():
     verifier = verify.EagerVerifier if args.eager else verify.CompiledVerifier
     timed(verifier, "verify", "verify")
     timed(verifier, "keep", "keep")
+    timed(verifier, "prefill", "prefill")
+    from hf_bpd.generation import near_ties
+    timed(near_ties.EagerReferee, "settle", "referee")
     if not args.eager:
         timed(verify.CompiledRunner, "run", "forward")
     calls = tokens = 0
@@ -98,8 +102,8 @@ def main():
     print(f"block efficiency {tokens / calls:.2f}; {1000 * total / calls:.1f} ms per drafted serial call; plain "
           f"{1000 * plain_total / plain_calls:.1f} ms per call; speed vs plain "
           f"{tokens / total / (plain_calls / plain_total):.2f}x")
-    rest = total - parts.get("drafts", 0) - parts.get("verify", 0) - parts.get("keep", 0)
-    for name in ("drafts", "heads", "lattice", "rescore", "verify", "forward", "keep"):
+    rest = total - sum(parts.get(name, 0) for name in ("drafts", "verify", "keep", "prefill", "referee"))
+    for name in ("drafts", "heads", "lattice", "rescore", "verify", "forward", "keep", "prefill", "referee"):
         if name in parts:
             print(f"  {name:8s} {1000 * parts[name] / calls:6.2f} ms/call")
     print(f"  {'rest':8s} {1000 * rest / calls:6.2f} ms/call")

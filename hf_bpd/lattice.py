@@ -32,6 +32,7 @@ class Lattice:
                              f"{tuple(logprobs.shape)}")
         self.tokens = tokens
         self.logprobs = logprobs
+        self._probs: list[dict[int, float]] | None = None
 
     @classmethod
     def from_head_logits(cls, head_logits: torch.Tensor, k: int, to_vocab_ids=None) -> "Lattice":
@@ -57,11 +58,10 @@ class Lattice:
 
     def token_probs(self, tokens: tuple[int, ...]) -> list[float]:
         """The heads' probabilities of `tokens` (one per head, in order; 0 for a token outside a head's top-k)."""
-        out = []
-        for i, token in enumerate(tokens[: self.num_heads]):
-            hit = (self.tokens[i] == token).nonzero()
-            out.append(float(self.logprobs[i, hit[0, 0]].exp()) if len(hit) else 0.0)
-        return out
+        if self._probs is None:  # per head, token -> probability (the first, i.e. best, rank of a repeated token)
+            probs = self.logprobs.float().exp().tolist()
+            self._probs = [dict(zip(reversed(row), reversed(p))) for row, p in zip(self.tokens.tolist(), probs)]
+        return [self._probs[i].get(int(token), 0.0) for i, token in enumerate(tokens[: self.num_heads])]
 
     def best_paths(self, p: int) -> list[Draft]:
         """The `p` highest-scoring paths under the heads alone (the paper's "p-best 0-gram" drafts), best first.

@@ -325,3 +325,14 @@ def test_drafts_come_from_the_hidden_state_of_the_last_decoded_token(arch, optio
                          eos_token_id=None, **options)
     assert torch.equal(got, expected)
     assert len(checked) >= 5
+
+
+def test_lattice_token_probs_per_head():
+    from hf_bpd.lattice import Lattice
+
+    tokens = torch.tensor([[5, 7, 9], [7, 5, 5]])
+    logprobs = torch.log(torch.tensor([[0.5, 0.3, 0.1], [0.6, 0.2, 0.1]]))
+    lattice = Lattice(tokens, logprobs)
+    assert lattice.token_probs((7, 5)) == pytest.approx([0.3, 0.2])  # a repeated token: its best rank
+    assert lattice.token_probs((4, 7, 9)) == pytest.approx([0.0, 0.6])  # outside the top-k: 0; one per head
+    assert lattice.token_probs(torch.tensor([9, 5]).tolist()) == pytest.approx([0.1, 0.2])
