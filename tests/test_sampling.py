@@ -71,7 +71,9 @@ def chi2_pvalue(counts, probs, group=lambda o: o):
     return chisquare(obs, [e * scale for e in exp]).pvalue
 
 
-MODES = {"chain": {}, "tree": {"tree": sparse_tree((3, 2))}, "pbest": {"num_drafts": 3, "draft_top_k": 3}}
+MODES = {"chain": {}, "tree": {"tree": sparse_tree((3, 2))}, "pbest": {"num_drafts": 3, "draft_top_k": 3},
+         # the shipped default's shape: p-best paths and prompt lookup's copy competing for a node budget
+         "nodes": {"num_drafts": 3, "draft_top_k": 3, "draft_nodes": 3, "prompt_lookup": True}}
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
