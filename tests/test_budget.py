@@ -232,6 +232,10 @@ def test_draft_nodes_fill_best_first_from_the_p_best_paths(one_thread):
     assert drafts[0] == paths[0] and len({d[: j + 1] for d in drafts for j in range(len(d))}) == 4
     assert drafter.calibration.rank_factor(0) == 1.0 and drafter.calibration.rank_factor(5) == 0.01
     assert all(len(d) <= 2 for d in drafter.drafts(hidden, context, 2)[0])  # room left in max_length
+    # a budget the paths cannot fill is cut to what they hold (a compiled block is padded to its budget)
+    assert BlockDrafter(model.heads, 3, top_k=4, num_drafts=2, draft_nodes=50).max_block_length() == 1 + 6
+    assert BlockDrafter(model.heads, 3, top_k=4, num_drafts=2, draft_nodes=50, prompt_lookup=True
+                        ).max_block_length() == 51  # the copy can fill it
 
 
 def test_rank_factors_are_measured_and_saved(one_thread):
