@@ -84,14 +84,15 @@ def calibrate(model, prompts, max_new_tokens: int = 256, bins: int = 10, rank_pa
     rates per confidence bin, prompt lookup's per-position rates and the p-best paths' rank factors (`rank_paths`
     best paths of the rescorer's top-k lattice). `options` are drafting options (e.g. `rescorer`), the checkpoint's
     own by default. Returns `(calibration, head records)`."""
-    from ..generation.config import MAX_DRAFT_TOP_K
-    from ..rescorers.base import resolve_rescorer
+    from ..generation.config import drafting_options
+    from ..generation.decoding import plan_drafting
 
     records, copies, ranked = [], [], []
-    rescorer = options.get("rescorer", model.generation_config.rescorer)
-    rescorer = resolve_rescorer(rescorer, model.bundled_rescorers, model).for_call()
-    heads = options.get("num_heads_to_use") or model.config.num_heads
-    top_k = min(options.get("draft_top_k") or 16, model.config.draft_size, MAX_DRAFT_TOP_K)
+    # the p-best drafter `generate(num_drafts=rank_paths)` would use (rescorer, lattice width), over every head
+    ranking = {k: v for k, v in options.items() if k in ("rescorer", "draft_top_k")}
+    ranking.update(num_drafts=max(rank_paths, 1), num_heads_to_use=options.get("num_heads_to_use") or
+                   model.config.num_heads, tree=None, draft_nodes=None, prompt_lookup=False)
+    drafter = plan_drafting(model, drafting_options(ranking, None, model.generation_config)).drafter
     options.setdefault("compile", False)  # acceptance does not depend on the kernels; compiling would cost minutes
     for inputs in prompts:
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_drafts=1, tree=None,
@@ -100,8 +101,8 @@ def calibrate(model, prompts, max_new_tokens: int = 256, bins: int = 10, rank_pa
         records += acceptance_records(stats)
         copies += lookup_records(out[0].tolist(), inputs["input_ids"].shape[1], stats, model.config.num_heads)
         if rank_paths > 1:
-            ranked += rank_records(model, out[0].tolist(), inputs["input_ids"].shape[1], rescorer, heads, top_k,
-                                   rank_paths)
+            ranked += rank_records(model, out[0].tolist(), inputs["input_ids"].shape[1], drafter.rescorer,
+                                   drafter.num_heads, drafter.top_k, rank_paths)
     calibration = HeadCalibration.fit(records, model.config.num_heads, bins=bins, lookup_records=copies,
                                       rank_records=ranked)
     return calibration, records

@@ -224,21 +224,21 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
             if runner is not None:
                 # One compiled shape per drafting plan (its largest block); "cost" also compiles the one-token step.
                 # The heads' lattice comes from a compiled heads step too.
-                heads = model.heads if isinstance(plan.drafter, BlockDrafter) else None
                 drafter = plan.drafter
+                heads = model.heads if isinstance(drafter, BlockDrafter) else None
                 if heads is not None and drafter.slots is None and drafter.prompt_lookup and \
                         drafter.num_drafts == 1 and drafter.tree_choices is None:
                     drafter.slots = max(COMPILED_DRAFT_SLOTS, drafter.num_heads)  # the chain and the copy share
-                largest = plan.drafter.max_block_length()
+                largest = drafter.max_block_length()
                 buckets = sorted({1, largest} if plan.schedule == "cost" else {largest})
-                top_k = head_top_k(plan.drafter.top_k, model.config.draft_size) if heads is not None else 0
+                top_k = head_top_k(drafter.top_k, model.config.draft_size) if heads is not None else 0
                 before = sum(runner.compiled_buckets.values()) + sum(runner.compiled_heads.values())
                 runner.warm_up(buckets, input_ids.device, heads, top_k)
                 plan.stats.compile_seconds = sum(runner.compiled_buckets.values()) + \
                     sum(runner.compiled_heads.values()) - before
                 verifier.buckets = buckets
                 if heads is not None:
-                    plan.drafter.head_top = runner.heads_step(heads, top_k)
+                    drafter.head_top = runner.heads_step(heads, top_k)
         except Exception as err:  # noqa: BLE001 - a failing compiler must not break generation
             warnings.warn(f"hf_bpd: torch.compile failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
                           "decoding eagerly", stacklevel=3)

@@ -46,9 +46,9 @@ class BlockDrafter:
         # The draft nodes one step verifies, filled best-first from the drafts and the copy: `draft_nodes`, or, for a
         # compiled chain with prompt lookup, the compiled block's length minus its root (set by the decoding loop,
         # `verify.COMPILED_DRAFT_SLOTS`). None: every drafted token is verified.
-        self.draft_nodes = draft_nodes
         if draft_nodes is not None and not prompt_lookup:  # no more nodes than the paths hold (a compiled block
             draft_nodes = min(draft_nodes, num_heads * num_drafts)  # is padded to its budget)
+        self.draft_nodes = draft_nodes  # the budget in effect (what `slots` returns to if compiling fails)
         self.slots: int | None = draft_nodes
         if tree_choices:
             self.top_k = max(top_k, 1 + max(r for c in tree_choices for r in c))
