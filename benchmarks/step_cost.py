@@ -9,7 +9,9 @@ drafts (all drafting: heads, lattice, rescoring, prompt lookup), of which heads 
 verification call: building the block, mask and positions + the forward), of which forward (the compiled step or the
 eager model call); keep (cache rollback); prefill (the prompt pass, once per call, spread over its steps); referee
 (near-ties: its bookkeeping and the rare eager replays); the rest of the loop (acceptance walk, logits processors,
-stopping criteria, bookkeeping) is total minus those.
+stopping criteria, bookkeeping) is total minus those, of which tree (building the draft tree), walk (the acceptance
+walk) and accept (appending the tokens, stopping criteria). The last line is the lean-step figure: all of a step but
+its forward (and the prompt pass), against the forward.
 """
 
 import argparse
@@ -78,8 +80,26 @@ def main():
     timed(verifier, "prefill", "prefill")
     from hf_bpd.generation import near_ties
     timed(near_ties.EagerReferee, "settle", "referee")
+    from hf_bpd.generation import decoding, stopping
+    timed(decoding, "walk_greedy", "walk")
+    timed(decoding, "walk", "walk")
+    timed(decoding, "DraftTree", "tree")
+    timed(stopping.DecodedSequence, "accept", "accept")
+    timed(drafting, "prompt_lookup", "lookup")
+    timed(drafting, "best_first_nodes", "nodes")
+    timed(Lattice, "token_probs", "probs")
     if not args.eager:
         timed(verify.CompiledRunner, "run", "forward")
+        runner = next(iter(verify._RUNNERS[model.base_lm].values()))
+        for by_width in runner.heads_steps.values():  # the compiled heads step(s): wrap each in place
+            for width, step in list(by_width.items()):
+                def heads_timed(hidden, token, _step=step):
+                    start = time.perf_counter()
+                    try:
+                        return _step(hidden, token)
+                    finally:
+                        TIMES["heads"] += time.perf_counter() - start
+                by_width[width] = heads_timed
     calls = tokens = 0
     total = 0.0
     for inp in inputs:
@@ -103,11 +123,17 @@ def main():
           f"{1000 * plain_total / plain_calls:.1f} ms per call; speed vs plain "
           f"{tokens / total / (plain_calls / plain_total):.2f}x")
     rest = total - sum(parts.get(name, 0) for name in ("drafts", "verify", "keep", "prefill", "referee"))
-    for name in ("drafts", "heads", "lattice", "rescore", "verify", "forward", "keep", "prefill", "referee"):
+    parts["rest"] = rest
+    layout = [("drafts", 0), ("heads", 1), ("lattice", 1), ("probs", 1), ("rescore", 1), ("lookup", 1), ("nodes", 1),
+              ("verify", 0), ("forward", 1), ("keep", 0), ("prefill", 0), ("referee", 0), ("rest", 0), ("tree", 1),
+              ("walk", 1), ("accept", 1)]
+    for name, depth in layout:
         if name in parts:
-            print(f"  {name:8s} {1000 * parts[name] / calls:6.2f} ms/call")
-    print(f"  {'rest':8s} {1000 * rest / calls:6.2f} ms/call")
-
+            print(f"  {'  ' * depth}{name:8s} {1000 * parts[name] / calls:6.2f} ms/call")
+    if "forward" in parts:  # the lean-step figure: everything a step does besides the forward (the prompt pass apart)
+        overhead = total - parts["forward"] - parts.get("prefill", 0)
+        print(f"drafting + bookkeeping {1000 * overhead / calls:.2f} ms/call = "
+              f"{100 * overhead / parts['forward']:.1f} % of the verification forward")
 
 if __name__ == "__main__":
     main()

@@ -120,6 +120,27 @@ def test_pbest_equals_brute_force(models, backend):
         assert [d.score for d in drafts] == pytest.approx([s for _, s in expected], abs=1e-9)
 
 
+def test_compiled_bounds_drop_no_path(models):
+    """The compiled search skips partial paths that cannot reach the p best (a floor from the lattice cut to 4 ranks,
+    and the last head's bucket): on lattices wider than that cut, with tied scores, it still equals brute force."""
+    rng = random.Random(4)
+    reference = {order: kenlm.Model(str(path)) for order, path in models.items()}
+    for trial in range(120):
+        model_order = 2 + trial % 3
+        h, k = rng.randint(2, 3), rng.randint(5, 7)
+        lattice = random_lattice(rng, h, k)
+        if trial % 3 == 0:  # ties everywhere: equal head scores (and alpha 0 below: equal totals)
+            lattice = Lattice(lattice.tokens, torch.full((h, k), -1.5))
+        alpha = 0.0 if trial % 6 == 0 else rng.choice([0.3, 1.0, 2.5])
+        context = [rng.randrange(V + 2) for _ in range(rng.randint(0, 4))]
+        p = rng.randint(1, 12)
+        scorer = rescorer(models[model_order], "compiled", alpha=alpha)
+        drafts = scorer.rescore(lattice, context, p)
+        expected = brute_force(reference[model_order], lattice, context, scorer.head_weights(lattice), p, model_order)
+        assert [d.tokens for d in drafts] == [t for t, _ in expected], (trial, alpha, p)
+        assert [d.score for d in drafts] == pytest.approx([s for _, s in expected], abs=1e-9)
+
+
 @pytest.mark.parametrize("kind", ["trie", "probing", "quantized", "arpa"])
 def test_compiled_equals_python_on_large_lattices(model_kinds, kind):
     rng = random.Random(2)

@@ -36,7 +36,7 @@ from .drafting import BlockDrafter, NoDrafter
 from .near_ties import EagerReferee, default_tie_margin
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import DecodedSequence
-from .tree import DraftTree, choose_token, parse_tree, walk
+from .tree import DraftTree, GreedyRows, choose_token, parse_tree, walk, walk_greedy
 from .verify import _RUNNERS, COMPILED_DRAFT_SLOTS, EagerVerifier, compiled_verifier, head_top_k
 
 
@@ -219,17 +219,18 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
     verifier, runner = None, None
     if plan.compile:
         try:
-            verifier, runner = compiled_verifier(model, generation_config.max_length,
+            # One compiled shape per drafting plan (its largest block); "cost" also compiles the one-token step.
+            # The heads' lattice comes from a compiled heads step too.
+            drafter = plan.drafter
+            heads = model.heads if isinstance(drafter, BlockDrafter) else None
+            if heads is not None and drafter.slots is None and drafter.prompt_lookup and \
+                    drafter.num_drafts == 1 and drafter.tree_choices is None:
+                drafter.slots = max(COMPILED_DRAFT_SLOTS, drafter.num_heads)  # the chain and the copy share
+            largest = drafter.max_block_length()
+            # the last step's block is padded to `largest` tokens past the sequence's end: the cache holds them too
+            verifier, runner = compiled_verifier(model, generation_config.max_length + largest,
                                                  model_kwargs.get("attention_mask")) or (None, None)
             if runner is not None:
-                # One compiled shape per drafting plan (its largest block); "cost" also compiles the one-token step.
-                # The heads' lattice comes from a compiled heads step too.
-                drafter = plan.drafter
-                heads = model.heads if isinstance(drafter, BlockDrafter) else None
-                if heads is not None and drafter.slots is None and drafter.prompt_lookup and \
-                        drafter.num_drafts == 1 and drafter.tree_choices is None:
-                    drafter.slots = max(COMPILED_DRAFT_SLOTS, drafter.num_heads)  # the chain and the copy share
-                largest = drafter.max_block_length()
                 buckets = sorted({1, largest} if plan.schedule == "cost" else {largest})
                 top_k = head_top_k(drafter.top_k, model.config.draft_size) if heads is not None else 0
                 before = sum(runner.compiled_buckets.values()) + sum(runner.compiled_heads.values())
@@ -274,6 +275,8 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
     decoded = DecodedSequence(input_ids, stopping_criteria, keep_scores, keep_logits, streamer)
     margin = default_tie_margin(model.base_lm.dtype) if plan.tie_margin is None else plan.tie_margin
     referee = EagerReferee(model.base_lm, input_ids.shape[1], margin) if margin > 0 and not do_sample else None
+    # Greedy without logits processors, scores or logits to return: the block's raw logits decide directly.
+    plain_greedy = not do_sample and len(logits_processor) == 0 and not keep_scores and not keep_logits
 
     # The prompt pass decodes the first token and gives the hidden state the first block is drafted from.
     logits, hidden = verifier.prefill(input_ids)
@@ -304,10 +307,18 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
         block_logits = block_logits.float()
 
         # Walk down the tree while the base's own choice is a child of the current node.
-        tokens, path, position, step_logits, step_scores = walk(tree, block_logits, sequence, logits_processor,
-                                                                do_sample)
+        tops = None
+        if plain_greedy:  # the raw logits decide: read the choices in place (`GreedyRows`)
+            rows = GreedyRows(block_logits)
+            tokens, path, position, visited = walk_greedy(tree, rows)
+            step_logits, step_scores = [None] * len(tokens), [None] * len(tokens)
+            if referee is not None:
+                tops = [rows.top(row, token) for row, token in zip(visited, tokens)]
+        else:
+            tokens, path, position, step_logits, step_scores = walk(tree, block_logits, sequence, logits_processor,
+                                                                    do_sample)
         if referee is not None:  # a near-tie the referee decided otherwise ends the step there, like a rejection
-            cut = referee.settle(sequence, tokens, step_logits, step_scores, logits_processor)
+            cut = referee.settle(sequence, tokens, step_logits, step_scores, logits_processor, tops)
             if cut is not None and cut < len(path):
                 path = path[:cut]
                 position = path[-1] + 1 if path else 0

@@ -85,19 +85,24 @@ class EagerReferee:
         self.seconds += time.perf_counter() - start
         return out.logits[-1].float()
 
-    def settle(self, sequence: torch.LongTensor, tokens: list[int], step_logits: list[torch.Tensor],
-               step_scores: list[torch.Tensor], logits_processor) -> int | None:
+    def settle(self, sequence: torch.LongTensor, tokens: list[int], step_logits: list, step_scores: list,
+               logits_processor, tops: list[tuple[float, float]] | None = None) -> int | None:
         """Check one step's decoded `tokens` (appended to `sequence` `(1, length)`), with their raw and processed
         logits `(1, vocab)`: every token whose two best processed scores are closer than `margin` x max(1, |best|) is
         re-decided from the referee's logits (which replace the step's for it). Returns the index of the first token
-        the referee changed — the lists are cut after it — or None."""
+        the referee changed — the lists are cut after it — or None. `tops` gives each token's `(best score, best -
+        second best)` when they are already known (`tree.GreedyRows`); the logits lists may then hold None."""
         for i, scores in enumerate(step_scores):
-            best = scores[0].topk(2).values
-            if float(best[0] - best[1]) >= self.margin * max(1.0, abs(float(best[0]))):
+            if tops is not None:
+                best, gap = tops[i]
+            else:
+                values = scores[0].topk(2).values
+                best, gap = float(values[0]), float(values[0] - values[1])
+            if gap >= self.margin * max(1.0, abs(best)):
                 continue
             prefix = sequence if i == 0 else torch.cat(
                 [sequence, torch.tensor([tokens[:i]], dtype=sequence.dtype, device=sequence.device)], dim=1)
-            raw = self.logits(prefix).to(scores.device)
+            raw = self.logits(prefix).to(sequence.device)
             processed = logits_processor(prefix, raw.clone())
             token = int(processed[0].argmax(-1))
             self.checks += 1

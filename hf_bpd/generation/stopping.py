@@ -4,7 +4,7 @@ several tokens at once, so the criteria are applied at every prefix of what a st
 from __future__ import annotations
 
 import torch
-from transformers.generation import StoppingCriteriaList, StopStringCriteria
+from transformers.generation import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList, StopStringCriteria
 
 from ..errors import BPDConfigError
 
@@ -17,8 +17,30 @@ class StopGuard:
         self.criteria = criteria
         self.checked = prompt_length
         self.stop_length: int | None = None
+        # The usual criteria, a maximum length and end-of-sequence tokens, are checked on the new token ids
+        # themselves (as they decide: length >= max_length, or the prefix's last token is an EOS); any other
+        # criterion is called on every prefix.
+        self.max_length, self.eos = None, set()
+        self.simple = all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in criteria)
+        for c in criteria if self.simple else ():
+            if type(c) is MaxLengthCriteria:
+                self.max_length = c.max_length if self.max_length is None else min(self.max_length, c.max_length)
+            else:
+                self.eos.update(int(t) for t in torch.as_tensor(c.eos_token_id).flatten().tolist())
 
-    def first_stop(self, sequence: torch.LongTensor) -> int | None:
+    def first_stop(self, sequence: torch.LongTensor, new_tokens: list[int] | None = None) -> int | None:
+        """The length at which decoding stops, once `sequence` `(1, length)` reaches it (None until then);
+        `new_tokens` are the ids `sequence` ends with that were not checked yet (read from `sequence` if not
+        given)."""
+        if self.simple and self.stop_length is None:
+            if new_tokens is None or len(new_tokens) != sequence.shape[1] - self.checked:
+                new_tokens = sequence[0, self.checked:].tolist()
+            for token in new_tokens:
+                self.checked += 1
+                if (self.max_length is not None and self.checked >= self.max_length) or token in self.eos:
+                    self.stop_length = self.checked
+                    break
+            return self.stop_length
         while self.stop_length is None and self.checked < sequence.shape[1]:
             self.checked += 1
             if bool(self.criteria(sequence[:, : self.checked], None).any()):
@@ -42,6 +64,7 @@ class DecodedSequence:
         self.scores: list[torch.Tensor] = []
         self.logits: list[torch.Tensor] = []
         self.streamer = streamer
+        self._tokens: list[int] = prompt[0, pad:].tolist()
         if streamer is not None:
             streamer.put(prompt[:, pad:].cpu())
 
@@ -51,18 +74,20 @@ class DecodedSequence:
 
     @property
     def tokens(self) -> list[int]:
-        """The sequence's own tokens (no padding): what drafters and rescorers read."""
-        return self.sequence[0, self.pad:].tolist()
+        """The sequence's own tokens (no padding): what drafters and rescorers read (kept as a list, not to be
+        changed)."""
+        return self._tokens
 
     def accept(self, tokens: list[int], step_logits: list[torch.Tensor], step_scores: list[torch.Tensor]) -> None:
         """Append one step's decoded tokens (with their raw and processed logits), up to the first stop."""
         start = self.sequence.shape[1]
         new = torch.tensor([tokens], dtype=self.sequence.dtype, device=self.sequence.device)
         self.sequence = torch.cat([self.sequence, new], dim=1)
-        stop = self.guard.first_stop(self.sequence)
+        stop = self.guard.first_stop(self.sequence, tokens)
         if stop is not None:
             self.sequence = self.sequence[:, :stop]
         kept = self.sequence.shape[1] - start
+        self._tokens.extend(tokens[:kept])
         if self.keep_scores:
             self.scores.extend(step_scores[:kept])
         if self.keep_logits:

@@ -7,8 +7,9 @@ Two verifiers share one interface (`prefill`, `verify`, `keep`, `close`), so the
   prepacked weights, `max_autotune` CPU GEMM templates; measured in `../shared/MEASUREMENTS.md`) on a `StaticCache`
   that is created once per base model and reused by every call, so every step has one of a few fixed shapes:
   the block is padded to the drafting plan's largest block (the last token plus every node its drafts can have)
-  and the attention mask is a 4D tensor over the whole static cache. One graph is compiled per block length, once
-  per process. The prompt pass runs eagerly into the same
+  and the attention mask is a 4D tensor over the whole static cache (one buffer per call, of which each step
+  rewrites only the columns that changed). The cache holds the call's `max_length` plus one padded block, so the
+  last step's padding stays inside it. One graph is compiled per block length, once per process. The prompt pass runs eagerly into the same
   static cache. Rejected tokens are rolled back by moving the accepted path's keys/values into place and resetting
   each layer's `cumulative_length` (a `StaticCache` writes at that counter, not at `cache_position`).
 
@@ -43,6 +44,7 @@ CACHE_BUCKET = 512
 # 19.8 / 20.3 / 21.9 ms for 1 / 4 / 5 / 8 tokens, `benchmarks/block_profile.py`); 9 tokens start a second row tile.
 COMPILED_DRAFT_SLOTS = 7
 MAX_COMPILED_SHAPES = 64  # block lengths one runner may compile (dynamo's own limit is 8)
+MAX_TREE_PATTERNS = 4096  # tree shapes whose block masks one call keeps
 INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
@@ -317,6 +319,9 @@ class CompiledVerifier:
         self.cache = runner.cache
         self.length = 0  # tokens in the cache
         self.buckets = [1]  # the compiled block lengths this call uses; a block is padded to the next one
+        self._masks: dict[int, list] = {}  # block length -> [mask buffer, open columns, written columns]
+        self._patterns: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # tree shape -> (depths, block mask)
+        self._aranges: dict[int, torch.Tensor] = {}
 
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt pass, eager, writing into the static cache (the call holds the runner's lock from here on)."""
@@ -331,21 +336,55 @@ class CompiledVerifier:
         q = len(tree) + 1
         b = next((x for x in self.buckets if x >= q), q)  # the smallest compiled shape that holds the block
         past = self.length
-        tokens = torch.zeros(1, b, dtype=torch.long, device=device)
-        tokens[0, :q] = torch.tensor([last_token] + tree.tokens, dtype=torch.long)
-        depths = torch.arange(b, dtype=torch.long)
-        depths[:q] = tree.block_depths()
-        positions = (past + depths).to(device)
-        allowed = torch.zeros(b, self.runner.max_cache_len, dtype=torch.bool)
-        allowed[:, :past] = True
-        allowed[:q, past: past + q] = tree.ancestors_mask()
-        pad = torch.arange(q, b)
-        allowed[pad, past + pad] = True  # padding rows see themselves only (no row may see nothing)
-        mask = torch.zeros(b, self.runner.max_cache_len, dtype=self.base.dtype)
-        mask.masked_fill_(~allowed, torch.finfo(self.base.dtype).min)
-        cache_position = past + torch.arange(b, device=device)
-        logits, hidden = self.runner.run(tokens, positions[None], cache_position, mask.to(device)[None, None])
+        tokens = torch.tensor([[last_token] + tree.tokens + [0] * (b - q)], dtype=torch.long, device=device)
+        depths, block = self._block_pattern(tree, b, device)
+        mask = self._mask(b, past, block, device)
+        logits, hidden = self.runner.run(tokens, (past + depths)[None], past + self._arange(b, device), mask)
         return logits[0, :q], hidden[0, :q]
+
+    def _block_pattern(self, tree: DraftTree, b: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(depths (b,), additive mask (b, b))` of the block: each node sees the root and its ancestors; padding
+        rows see themselves only (no row may see nothing). Kept per tree shape (a call meets few)."""
+        key = (b, tuple(tree.parents))
+        pattern = self._patterns.get(key)
+        if pattern is None:
+            q = len(tree) + 1
+            depths = torch.arange(b, dtype=torch.long)
+            depths[:q] = tree.block_depths()
+            allowed = torch.eye(b, dtype=torch.bool)
+            allowed[:q, :q] = tree.ancestors_mask()
+            block = torch.zeros(b, b, dtype=self.base.dtype)
+            block.masked_fill_(~allowed, torch.finfo(self.base.dtype).min)
+            pattern = (depths.to(device), block.to(device))
+            if len(self._patterns) < MAX_TREE_PATTERNS:
+                self._patterns[key] = pattern
+        return pattern
+
+    def _arange(self, b: int, device) -> torch.Tensor:
+        if b not in self._aranges:
+            self._aranges[b] = torch.arange(b, device=device)
+        return self._aranges[b]
+
+    def _mask(self, b: int, past: int, block: torch.Tensor, device) -> torch.Tensor:
+        """The `(1, 1, b, max_cache_len)` additive mask over the static cache: the `past` cached tokens open to every
+        row, the block's own pattern after them, the rest closed. One buffer per block length, updated in place
+        from the last step's (only the columns that changed are written)."""
+        state = self._masks.get(b)
+        if state is None:
+            closed = torch.finfo(self.base.dtype).min
+            state = self._masks[b] = [torch.full((b, self.runner.max_cache_len), closed, dtype=self.base.dtype,
+                                                 device=device), 0, 0]
+        mask, opened, written = state  # columns [0, opened) are open; [opened, written) may hold an old block
+        closed = torch.finfo(self.base.dtype).min
+        if past > opened:
+            mask[:, opened:past] = 0.0
+        elif past < opened:
+            mask[:, past:opened] = closed
+        if written > past + b:
+            mask[:, past + b:written] = closed
+        mask[:, past:past + b] = block
+        state[1], state[2] = past, past + b
+        return mask[None, None]
 
     def keep(self, block_length: int, kept: list[int]) -> None:
         past = self.length
