@@ -131,26 +131,39 @@ def choose_token(scores: torch.Tensor, do_sample: bool) -> int:
     return int(scores.argmax(-1))
 
 
+def _descend(tree: DraftTree, choose) -> tuple[list[int], list[int], int, list[int]]:
+    """From the root, take `choose(block row, tokens so far)` at the current node's block row and move down while a
+    child carries it: `(tokens, path, position, block rows of the tokens)` (see `walk`)."""
+    node, position, path, tokens, visited = -1, 0, [], [], []
+    while True:
+        token = choose(position, tokens)
+        tokens.append(token)
+        visited.append(position)
+        child = tree.children[node].get(token)
+        if child is None:
+            return tokens, path, position, visited
+        node, position = child, child + 1
+        path.append(child)
+
+
 def walk(tree: DraftTree, block_logits: torch.Tensor, sequence: torch.Tensor, logits_processor, do_sample: bool):
     """Accept along `tree`: from the root, take the base's own (processed, greedy or sampled) choice at the current
     node's block position (`block_logits` `(q, vocab)`, `sequence` `(1, len)` the context before the block) and move
     down while a child carries it. Returns `(tokens, path, position, step_logits, step_scores)`: the decoded tokens
     (the accepted drafts plus the base's own next token), the accepted node indices, the block position of the last
     one (whose hidden state drafts next), and each token's raw and processed logits `(1, vocab)`."""
-    node, position, path, step_logits, step_scores, tokens = -1, 0, [], [], [], []
-    while True:
+    step_logits, step_scores = [], []
+
+    def choose(position: int, tokens: list[int]) -> int:
         context = torch.cat([sequence, torch.tensor([tokens], dtype=sequence.dtype, device=sequence.device)], dim=1)
         logits = block_logits[position][None]
         processed = logits_processor(context, logits.clone())
-        token = choose_token(processed[0], do_sample)
-        tokens.append(token)
         step_logits.append(logits)
         step_scores.append(processed)
-        child = tree.children[node].get(token)
-        if child is None:
-            return tokens, path, position, step_logits, step_scores
-        node, position = child, child + 1
-        path.append(child)
+        return choose_token(processed[0], do_sample)
+
+    tokens, path, position, _ = _descend(tree, choose)
+    return tokens, path, position, step_logits, step_scores
 
 
 class GreedyRows:
@@ -163,8 +176,9 @@ class GreedyRows:
     def __init__(self, logits: torch.Tensor):
         self.array = logits.numpy() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
         if self.array is None:
-            top = logits.float().topk(2, dim=-1).values
-            self.best = logits.float().argmax(-1).tolist()
+            scores = logits.float()
+            top = scores.topk(2, dim=-1).values
+            self.best = scores.argmax(-1).tolist()
             self.tops = list(zip(top[:, 0].tolist(), (top[:, 0] - top[:, 1]).tolist()))
 
     def choice(self, row: int) -> int:
@@ -183,16 +197,7 @@ class GreedyRows:
 
 def walk_greedy(tree: DraftTree, rows: GreedyRows) -> tuple[list[int], list[int], int, list[int]]:
     """`walk` for greedy decoding without logits processors: `(tokens, path, position, block rows of the tokens)`."""
-    node, position, path, tokens, visited = -1, 0, [], [], []
-    while True:
-        token = rows.choice(position)
-        tokens.append(token)
-        visited.append(position)
-        child = tree.children[node].get(token)
-        if child is None:
-            return tokens, path, position, visited
-        node, position = child, child + 1
-        path.append(child)
+    return _descend(tree, lambda position, tokens: rows.choice(position))
 
 
 def tree_attention_masks(tree: DraftTree, cache, past_length: int, layer_types: list[str] | None,

@@ -369,13 +369,12 @@ class CompiledVerifier:
         """The `(1, 1, b, max_cache_len)` additive mask over the static cache: the `past` cached tokens open to every
         row, the block's own pattern after them, the rest closed. One buffer per block length, updated in place
         from the last step's (only the columns that changed are written)."""
+        closed = torch.finfo(self.base.dtype).min
         state = self._masks.get(b)
         if state is None:
-            closed = torch.finfo(self.base.dtype).min
             state = self._masks[b] = [torch.full((b, self.runner.max_cache_len), closed, dtype=self.base.dtype,
                                                  device=device), 0, 0]
         mask, opened, written = state  # columns [0, opened) are open; [opened, written) may hold an old block
-        closed = torch.finfo(self.base.dtype).min
         if past > opened:
             mask[:, opened:past] = 0.0
         elif past < opened:

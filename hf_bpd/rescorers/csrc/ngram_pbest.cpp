@@ -220,11 +220,9 @@ class Search {
       std::stable_sort(order_.begin(), order_.end(), [&](int32_t a, int32_t b) {
         return paths[begin[a]].score > paths[begin[b]].score;
       });
-      double row_best = -std::numeric_limits<double>::infinity();
-      for (int r = 0; r < k_; ++r) row_best = std::max(row_best, logprobs_[i * k_ + r]);
       for (const int32_t s : order_) {
         const double best = paths[begin[s]].score;
-        if (best + row_best < Cutoff()) break;
+        if (best + rest_[i] < Cutoff()) break;  // rest_[i]: the last row's best log-probability
         for (int r = 0; r < k_; ++r) {
           if (best + logprobs_[i * k_ + r] < Cutoff()) continue;
           Offer(i, 0, begin[s], begin[s + 1], term_of(s, r).first, r);
