@@ -26,7 +26,7 @@ from .generation.config import BlockwiseGenerationConfig, drafting_options, load
 from .generation.decoding import blockwise_decoding, check_inputs, plan_drafting, plan_plain
 from .generation.stats import BlockwiseGenerateOutput, GenerationStats
 from .generation.stopping import stop_strings_as_criteria
-from .heads import BlockwiseParallelOutput, DraftHeads
+from .heads import CACHE_NAME, BlockwiseParallelOutput, DraftHeads
 from .hub.base_models import check_causal_lm, check_fingerprint, fingerprint, load_base_model
 from .hub.checkpoints import (HEADS_WEIGHTS_NAME, copy_bundled, load_heads_state, push_saved,
                               resolve_checkpoint_dir)
@@ -297,13 +297,17 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values=None,
+                position_ids: torch.LongTensor | None = None, cache=None,
                 inputs_embeds: torch.FloatTensor | None = None, use_cache: bool | None = None,
                 labels: torch.LongTensor | None = None, return_head_logits: bool = True, num_heads: int | None = None,
-                base_loss_weight: float = 0.0, **kwargs) -> BlockwiseParallelOutput:
+                base_loss_weight: float = 0.0, past_key_values=None, **kwargs) -> BlockwiseParallelOutput:
         """Run the base once and the heads on its last hidden state. Every base argument passes through;
         `labels` (aligned with `input_ids`, -100 ignored) train head `h` (1-based) at `t` on `labels[t + 1 + h]`;
-        `num_heads` uses the first heads only; `base_loss_weight` adds the base's own loss (0 for a frozen base)."""
+        `num_heads` uses the first heads only; `base_loss_weight` adds the base's own loss (0 for a frozen base).
+        The KV cache is `cache` or, as before transformers 5.24, `past_key_values`: either name, on any version."""
+        if cache is not None and past_key_values is not None:
+            raise BPDConfigError("pass the KV cache once: as cache= (or past_key_values=), not both")
+        cache = past_key_values if cache is None else cache
         captured = {}
         caller = threading.get_ident()
 
@@ -312,7 +316,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
                 captured["hidden"] = args[0]
 
         given = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+                     inputs_embeds=inputs_embeds, use_cache=use_cache, **{CACHE_NAME: cache})
         with _hooked(self.base_lm.get_output_embeddings(), keep_hidden):
             base_out = self.base_lm(**{k: v for k, v in given.items() if v is not None}, **kwargs)
         hidden = captured["hidden"]
@@ -330,7 +334,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         return BlockwiseParallelOutput(
             loss=loss, base_loss=base_loss, head_losses=head_losses, logits=base_out.logits,
             head_logits=head_logits, last_hidden_state=hidden,
-            past_key_values=getattr(base_out, "past_key_values", None),
+            **{CACHE_NAME: base_out.get(CACHE_NAME)},
             hidden_states=getattr(base_out, "hidden_states", None), attentions=getattr(base_out, "attentions", None),
         )
 

@@ -1,6 +1,7 @@
 """BPD inside generate(): token-for-token equality with the base's own greedy generate(), statistics, edge cases."""
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -243,6 +244,38 @@ def test_return_dict_scores_match_base():
         assert len(got.scores) == len(expected.scores) == 10
         for a, b in zip(got.scores, expected.scores):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+
+def test_the_kv_cache_goes_by_the_installed_transformers_name(caplog):
+    """transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache` and warns on the old
+    name: hf_bpd passes and returns it under the installed version's name, so no path warns (and 5.23 still works)."""
+    import transformers.modeling_outputs
+    from transformers.utils import logging as hf_logging
+
+    from hf_bpd.heads import CACHE_NAME
+
+    fields = transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__
+    assert CACHE_NAME == ("cache" if "cache" in fields else "past_key_values")
+    model = random_bpd("llama", 2)
+    ids = prompt_ids(3, 6)
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = model(ids, use_cache=True)
+            assert out[CACHE_NAME].get_seq_length() == 6
+            again = model(ids[:, -1:], use_cache=True, **{CACHE_NAME: out[CACHE_NAME]})
+            assert again[CACHE_NAME].get_seq_length() == 7
+            for options in ({}, {"num_drafts": 3}, {"use_heads": False}):
+                got = model.generate(ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True, **options)
+                assert got[CACHE_NAME] is None or got[CACHE_NAME].get_seq_length() >= 6
+    finally:
+        hf_logging.disable_propagation()
+    assert not [r for r in caplog.records if "deprecated" in r.getMessage()], caplog.text  # ModelOutput's rename
+    assert not [w for w in caught if "past_key_values" in str(w.message)], [str(w.message) for w in caught]
+    with pytest.raises(BPDConfigError, match="pass the KV cache once"):
+        model(ids, cache=out[CACHE_NAME], past_key_values=out[CACHE_NAME])
 
 
 # ------------------------------------------------------------------ bad input

@@ -68,7 +68,7 @@ for name, (directory, base_dir) in job["checkpoints"].items():
                     "scores_close": all(torch.allclose(a, b, atol=1e-4) for a, b in zip(mine.scores, theirs.scores))
                     and len(mine.scores) == len(theirs.scores),
                     "logits_close": all(torch.allclose(a, b, atol=1e-4) for a, b in zip(mine.logits, theirs.logits)),
-                    "cache_length": mine.past_key_values.get_seq_length(),
+                    "cache_length": mine["cache" if "cache" in mine else "past_key_values"].get_seq_length(),  # name by version
                     "length": mine.sequences.shape[1]}
     # sampling and batches are the base's own generate(): same seed, same tokens
     sampled = []

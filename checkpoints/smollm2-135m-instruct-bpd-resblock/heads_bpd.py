@@ -7,9 +7,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
 from .configuration_bpd import BlockwiseParallelConfig
+
+# The KV cache's name in model inputs and outputs: transformers 5.24 renamed `past_key_values` to `cache` (the old
+# name still works there, with a deprecation warning). hf_bpd passes and reads the cache under the installed name.
+CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 @dataclass
@@ -22,7 +27,7 @@ class BlockwiseParallelOutput(ModelOutput):
         logits: `(batch, seq, vocab)` base next-token logits (positions cut by `logits_to_keep` as in the base).
         head_logits: `(batch, num_heads, seq, draft_vocab_size)`: head `h` at position `t` scores token `t + 1 + h`.
         last_hidden_state: `(batch, seq, hidden)` the input of the base's output layer, which the heads read.
-        past_key_values, hidden_states, attentions: as returned by the base model.
+        cache (`past_key_values` before transformers 5.24), hidden_states, attentions: as returned by the base model.
     """
 
     loss: torch.FloatTensor | None = None
@@ -31,7 +36,10 @@ class BlockwiseParallelOutput(ModelOutput):
     logits: torch.FloatTensor | None = None
     head_logits: torch.FloatTensor | None = None
     last_hidden_state: torch.FloatTensor | None = None
-    past_key_values: object | None = None
+    if CACHE_NAME == "cache":
+        cache: object | None = None
+    else:
+        past_key_values: object | None = None
     hidden_states: tuple | None = None
     attentions: tuple | None = None
 

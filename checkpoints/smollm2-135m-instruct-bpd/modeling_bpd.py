@@ -30,7 +30,7 @@ from transformers.generation import GenerateDecoderOnlyOutput, GenerationMode
 from transformers.utils import cached_file
 
 from .configuration_bpd import BlockwiseParallelConfig
-from .heads_bpd import DraftHeads
+from .heads_bpd import CACHE_NAME, DraftHeads
 
 HEADS_WEIGHTS_NAME = "heads.safetensors"
 # `from_pretrained` keyword arguments that locate files of the heads checkpoint; the shared ones also reach the base.
@@ -39,8 +39,7 @@ _SHARED_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxie
 # Set by `AutoModelForCausalLM.from_pretrained` for itself, not meant for the base.
 _AUTO_KWARGS = ("trust_remote_code", "adapter_kwargs", "code_revision", "_commit_hash", "_from_auto", "_from_pipeline")
 # Model inputs `generate()` prepares for a plain text prompt; anything else (images, token types, ...) falls back.
-_PLAIN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
-                       "cache_position"}
+_PLAIN_MODEL_KWARGS = {"attention_mask", "position_ids", CACHE_NAME, "use_cache", "logits_to_keep", "cache_position"}
 
 
 def fingerprint(model: PreTrainedModel, samples_per_tensor: int = 64) -> str:
@@ -193,7 +192,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
 
         Extra options: `use_heads` (default True) and `num_heads_to_use` (default: the checkpoint's tuned value, else
         every head). Returns what the base's `generate()` returns: a `(1, prompt + new tokens)` tensor, or a
-        `GenerateDecoderOnlyOutput` (sequences, scores, logits, past_key_values) with `return_dict_in_generate=True`.
+        `GenerateDecoderOnlyOutput` (sequences, scores, logits, cache) with `return_dict_in_generate=True`.
         What the call did lands on `model.last_generation_stats` (`GenerationStats`).
         """
         use_heads = kwargs.pop("use_heads", True)
@@ -266,7 +265,7 @@ def _blockwise_greedy(model, input_ids, logits_processor, stopping_criteria, gen
     Each token is the argmax of the base's processed logits after exactly the tokens before it, as in transformers'
     greedy decoding, and the stopping criteria are checked after every token, so the output is the base's own.
     """
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get(CACHE_NAME)
     mask = model_kwargs.get("attention_mask")
     problem = (
         f"{generation_config.get_generation_mode().value} decoding is the base's generate()" if
@@ -310,7 +309,7 @@ def _blockwise_greedy(model, input_ids, logits_processor, stopping_criteria, gen
         lambda _module, args: captured.__setitem__("hidden", args[0]))
     try:
         extra = {"logits_to_keep": 1} if "logits_to_keep" in model_kwargs else {}
-        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, **extra)
+        out = model(input_ids=input_ids, use_cache=True, **{CACHE_NAME: cache}, **extra)
         stats.forwards += 1
         token, done = accept(out.logits[:, -1])
         hidden = captured["hidden"][0, -1].to(dtype)
@@ -321,7 +320,7 @@ def _blockwise_greedy(model, input_ids, logits_processor, stopping_criteria, gen
             if k:
                 draft = heads.step_logits(hidden, k, next_token=token).argmax(-1)
                 block = torch.cat([block, heads.to_vocab_ids(draft)[None].to(block)], dim=1)
-            out = model(input_ids=block, past_key_values=cache, use_cache=True)
+            out = model(input_ids=block, use_cache=True, **{CACHE_NAME: cache})
             stats.forwards += 1
             block_logits, block_hidden = out.logits[0], captured["hidden"][0]
             for j in range(k + 1):
@@ -337,5 +336,5 @@ def _blockwise_greedy(model, input_ids, logits_processor, stopping_criteria, gen
     stats.new_tokens = sequence.shape[1] - input_ids.shape[1]
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequence, scores=tuple(scores) if keep_scores else None,
-                                         logits=tuple(raw_logits) if keep_logits else None, past_key_values=cache)
+                                         logits=tuple(raw_logits) if keep_logits else None, **{CACHE_NAME: cache})
     return sequence

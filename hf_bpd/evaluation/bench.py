@@ -186,7 +186,7 @@ def decode_ar(model, inputs: dict, max_new_tokens: int):
 class _PassRecorder:
     """Records the base's verification passes during a `generate()` with public module hooks only.
 
-    A forward pre-hook on the base records where each call starts (`past_key_values.get_seq_length()`) and a hook on
+    A forward pre-hook on the base records where each call starts (the KV cache's `get_seq_length()`) and a hook on
     its last decoder layer marks the calls that ran the whole model: drafting passes of early exit stop before that
     layer, so only verification passes count as serial calls.
     """
@@ -202,7 +202,8 @@ class _PassRecorder:
 
     def __enter__(self):
         def started(_module, _args, kwargs):
-            cache = kwargs.get("past_key_values")
+            cache = kwargs.get("cache")  # transformers >= 5.24 passes the cache as cache=, earlier as past_key_values=
+            cache = kwargs.get("past_key_values") if cache is None else cache
             self.calls.append([cache.get_seq_length() if cache is not None else 0, False])
 
         def full_depth(_module, _args, _output):

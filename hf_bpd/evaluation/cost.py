@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import DynamicCache
 
+from ..heads import CACHE_NAME
 from ..hub.base_models import cache_dir, fingerprint
 
 
@@ -60,14 +61,14 @@ def measure_costs(base, lengths, compiled: bool = True, past: int = 200, repeats
     vocab = base.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab, (1, past), device=device)
     cache = DynamicCache(config=base.config.get_text_config(decoder=True))
-    base(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    base(input_ids=prompt, **{CACHE_NAME: cache}, use_cache=True, logits_to_keep=1)
     eager, compiled_ms, compile_seconds = [], [], []
 
     for n in lengths:
         block = torch.randint(0, vocab, (1, n), device=device)
 
         def eager_step():
-            base(input_ids=block, past_key_values=cache, use_cache=True)
+            base(input_ids=block, **{CACHE_NAME: cache}, use_cache=True)
             cache.crop(-n)
 
         eager.append(_median_ms(eager_step, repeats))

@@ -32,6 +32,7 @@ import time
 import torch
 
 from ..errors import BPDConfigError
+from ..heads import CACHE_NAME
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import DecodedSequence
 from .tree import DraftTree, choose_token, walk
@@ -169,7 +170,7 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
     # The prompt pass: one forward over the left-padded batch; a row's positions count its own tokens.
     cache = DynamicCache()  # full-length layers for every layer type: the masks bound sliding windows
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, **{CACHE_NAME: cache},
                 use_cache=True, return_head_logits=False, logits_to_keep=1)
     ragged = RaggedCache(cache, mask.bool())
     logits = out.logits[:, -1].float()
@@ -197,7 +198,7 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
         for r, (row, tree) in enumerate(zip(active, trees)):
             tokens[r, : len(tree) + 1] = torch.tensor([int(row.sequence[0, -1])] + tree.tokens)
         positions, masks = _block_masks(trees, ragged, width, base.dtype, layer_types, sliding_window)
-        out = model(input_ids=tokens, attention_mask=masks, position_ids=positions, past_key_values=ragged.cache,
+        out = model(input_ids=tokens, attention_mask=masks, position_ids=positions, **{CACHE_NAME: ragged.cache},
                     use_cache=True, return_head_logits=False)
         block_logits, block_hidden = out.logits.float(), out.last_hidden_state
 
@@ -244,6 +245,6 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
         sequences=sequences,
         scores=per_step([row.scores for row in rows]) if keep_scores else None,
         logits=per_step([row.logits for row in rows]) if keep_logits else None,
-        past_key_values=None,  # the batch's cache holds holes and finished rows are gone: not reusable
+        **{CACHE_NAME: None},  # the batch's cache holds holes and finished rows are gone: not reusable
         generation_stats=stats,
     )

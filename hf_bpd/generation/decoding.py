@@ -27,6 +27,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from ..errors import BPDConfigError, BPDTypeError, InputError, WorkLimitError
+from ..heads import CACHE_NAME
 from ..limits import MAX_COST_SCHEDULE_BLOCK
 from ..rescorers.base import HeadScoreRescorer, resolve_rescorer
 from .batch import decode_batch
@@ -191,15 +192,15 @@ def check_supported(input_ids, generation_config, model_kwargs, compiled: bool =
         raise BPDConfigError("another drafting method was requested (prompt lookup / early exit / MTP): pass "
                              "use_heads=False to use it instead of the heads, or prompt_lookup=True to add prompt "
                              "lookup's path to the heads' drafts")
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get(CACHE_NAME)
     if generation_config.cache_implementation not in (None, "dynamic") or (
         cache is not None and not isinstance(cache, DynamicCache)
     ):
         raise BPDConfigError(f"drafting needs a dynamic KV cache, got "
                              f"{generation_config.cache_implementation or type(cache).__name__}: drop "
-                             "cache_implementation / past_key_values, or pass use_heads=False")
+                             f"cache_implementation / {CACHE_NAME}, or pass use_heads=False")
     if cache is not None and cache.get_seq_length() > 0:
-        raise BPDConfigError("drafting starts from an empty KV cache: drop past_key_values, or pass use_heads=False")
+        raise BPDConfigError(f"drafting starts from an empty KV cache: drop {CACHE_NAME}, or pass use_heads=False")
     if not generation_config.use_cache:
         raise BPDConfigError("drafting needs use_cache=True")
     if generation_config.output_attentions or generation_config.output_hidden_states:
@@ -248,7 +249,7 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
             if isinstance(plan.drafter, BlockDrafter):
                 plan.drafter.slots, plan.drafter.head_top = plan.drafter.draft_nodes, None
     if verifier is None:
-        verifier = EagerVerifier(model, model_kwargs.get("past_key_values"), model_kwargs.get("attention_mask"))
+        verifier = EagerVerifier(model, model_kwargs.get(CACHE_NAME), model_kwargs.get("attention_mask"))
     budget = None
     if plan.schedule == "cost" and plan.drafter.max_block_length() > 1:
         costs = {b: runner.bucket_ms[b] for b in verifier.buckets} if runner is not None else \
@@ -337,7 +338,7 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
             sequences=sequence,
             scores=tuple(decoded.scores) if keep_scores else None,
             logits=tuple(decoded.logits) if keep_logits else None,
-            past_key_values=cache,
+            **{CACHE_NAME: cache},
             generation_stats=stats,
         )
     return sequence

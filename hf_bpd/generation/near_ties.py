@@ -23,6 +23,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicCache
 
+from ..heads import CACHE_NAME
+
 # Default `tie_margin`, relative to max(1, |best score|), for an fp32 base. Measured on SmolLM2
 # (`benchmarks/near_ties.py --rounding 6`, benchmarks/results/near_ties_rounding.json): compiled verification's logits
 # are within 1.5e-5 of the eager generate()'s (relative, largest over the vocabulary and 984 positions), so a margin
@@ -74,14 +76,14 @@ class EagerReferee:
         fed = max(cached + 1, self.prompt_length)
         follow = prefix[0, fed:].tolist()
         out = self.base.generate(
-            input_ids=prefix[:, :fed], attention_mask=torch.ones_like(prefix[:, :fed]), past_key_values=self.cache,
+            input_ids=prefix[:, :fed], attention_mask=torch.ones_like(prefix[:, :fed]), **{CACHE_NAME: self.cache},
             max_new_tokens=len(follow) + 1, do_sample=False, num_beams=1, use_cache=True,
             eos_token_id=None,  # the decoded tokens may hold an EOS (a call that does not stop at it): go on
             logits_processor=LogitsProcessorList([_Follow(follow)]), output_logits=True, return_dict_in_generate=True)
         if len(out.logits) != len(follow) + 1:
             raise RuntimeError(f"hf_bpd: the near-tie referee decoded {len(out.logits)} of {len(follow) + 1} tokens "
                                "(a stopping criterion of the base's generation config ended it): pass tie_margin=0")
-        self.cache = out.past_key_values
+        self.cache = out[CACHE_NAME]
         self.seconds += time.perf_counter() - start
         return out.logits[-1].float()
 

@@ -31,6 +31,7 @@ import torch._inductor.config as inductor_config
 from torch import nn
 from transformers.cache_utils import DynamicCache, StaticCache
 
+from ..heads import CACHE_NAME
 from .inlining import compiler_options
 from .tree import DraftTree, keep_accepted, tree_attention_masks
 
@@ -62,7 +63,7 @@ class EagerVerifier:
 
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt pass: `(logits (1, vocab), hidden (hidden_size,))` at the last prompt position."""
-        out = self.model(input_ids=input_ids, attention_mask=self.attention_mask, past_key_values=self.cache,
+        out = self.model(input_ids=input_ids, attention_mask=self.attention_mask, **{CACHE_NAME: self.cache},
                          use_cache=True, return_head_logits=False, logits_to_keep=1)
         return out.logits[:, -1], out.last_hidden_state[0, -1]
 
@@ -71,13 +72,13 @@ class EagerVerifier:
         past = self.cache.get_seq_length()
         block = torch.tensor([[last_token] + tree.tokens], dtype=torch.long, device=device)
         if tree.is_chain():  # the ordinary causal mask and positions
-            out = self.model(input_ids=block, past_key_values=self.cache, use_cache=True, return_head_logits=False)
+            out = self.model(input_ids=block, **{CACHE_NAME: self.cache}, use_cache=True, return_head_logits=False)
         else:
             mask = tree_attention_masks(tree, self.cache, past, self.layer_types, self.sliding_window,
                                         self.base.dtype, device)
             positions = (past + tree.block_depths()).to(device)[None]
             out = self.model(input_ids=block, attention_mask=mask, position_ids=positions,
-                             past_key_values=self.cache, use_cache=True, return_head_logits=False)
+                             **{CACHE_NAME: self.cache}, use_cache=True, return_head_logits=False)
         return out.logits[0], out.last_hidden_state[0]
 
     def keep(self, block_length: int, kept: list[int]) -> None:
@@ -118,7 +119,7 @@ class _Step(nn.Module):
     def forward(self, input_ids, position_ids, cache_position, attention_mask):
         hidden = self.base.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                          cache_position=cache_position, attention_mask=attention_mask,
-                                         past_key_values=self.cache, use_cache=True).last_hidden_state
+                                         **{CACHE_NAME: self.cache}, use_cache=True).last_hidden_state
         logits = self.base.get_output_embeddings()(hidden)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -326,7 +327,7 @@ class CompiledVerifier:
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt pass, eager, writing into the static cache (the call holds the runner's lock from here on)."""
         self.runner.reset()
-        out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, return_head_logits=False,
+        out = self.model(input_ids=input_ids, **{CACHE_NAME: self.cache}, use_cache=True, return_head_logits=False,
                          logits_to_keep=1)
         self.length = input_ids.shape[1]
         self.runner.set_length(self.length)

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
 from ..errors import BPDConfigError, CheckpointError
+from ..heads import CACHE_NAME
 from ..lattice import Draft, Lattice
 from .base import Rescorer, register_rescorer
 
@@ -104,7 +105,7 @@ class NeuralRescorer(Rescorer):
     def _advance(self, tokens: list[int]) -> torch.Tensor:
         """Feed `tokens` after the cached ones; return the hidden state at the last position `(hidden,)`."""
         ids = torch.tensor([tokens], device=self.model.device)
-        out = self.backbone(input_ids=ids, past_key_values=self.cache, use_cache=True)
+        out = self.backbone(input_ids=ids, **{CACHE_NAME: self.cache}, use_cache=True)
         self.cached.extend(tokens)
         return out.last_hidden_state[0, -1]
 
