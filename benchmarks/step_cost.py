@@ -57,13 +57,15 @@ def main():
     p.add_argument("--schedule", default="fixed")
     p.add_argument("--num-drafts", type=int, default=1)
     p.add_argument("--draft-nodes", type=int, default=None)
+    p.add_argument("--fp32-heads", action="store_true", help="heads_int8=False: the heads' own fp32 weights")
     args = p.parse_args()
     torch.set_num_threads(2)
     model = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.model)
     inputs = first_turn_inputs(hf_bpd.load_tokenizer(args.model), args.questions, args.limit)
     options = dict(rescorer=None if args.rescorer == "none" else args.rescorer, compile=not args.eager,
                    num_heads_to_use=args.heads, prompt_lookup=args.prompt_lookup, draft_schedule=args.schedule,
-                   num_drafts=args.num_drafts, draft_nodes=args.draft_nodes, tree=None)
+                   num_drafts=args.num_drafts, draft_nodes=args.draft_nodes, tree=None,
+                   heads_int8=False if args.fp32_heads else None)
     model.generate(**inputs[0], max_new_tokens=8, **options)  # warm-up / compile
     plain = dict(use_heads=False, compile=not args.eager)
     if not args.eager:
@@ -118,7 +120,8 @@ def main():
         plain_calls += model.last_generation_stats.serial_calls if not args.eager else \
             model.last_generation_stats.new_tokens
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {args.heads} heads, rescorer {args.rescorer}, "
-          f"{'eager' if args.eager else 'compiled'}, lookup {args.prompt_lookup}, schedule {args.schedule}")
+          f"{'eager' if args.eager else 'compiled'}, lookup {args.prompt_lookup}, schedule {args.schedule}, "
+          f"heads {'fp32' if args.fp32_heads else 'int8 where it can'}")
     print(f"block efficiency {tokens / calls:.2f}; {1000 * total / calls:.1f} ms per drafted serial call; plain "
           f"{1000 * plain_total / plain_calls:.1f} ms per call; speed vs plain "
           f"{tokens / total / (plain_calls / plain_total):.2f}x")

@@ -132,7 +132,8 @@ def _draft_options(args) -> dict:
     options = {}
     if args.rescorer is not None:
         options["rescorer"] = args.rescorer
-    for name in ("num_drafts", "draft_top_k", "num_heads_to_use", "draft_schedule", "prompt_lookup", "draft_nodes"):
+    for name in ("num_drafts", "draft_top_k", "num_heads_to_use", "draft_schedule", "prompt_lookup", "draft_nodes",
+                 "heads_int8"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     if args.tree:
@@ -746,6 +747,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-nodes", type=int, default=None, metavar="N",
                      help=f"verify N draft tokens per step, 1-{MAX_DRAFT_NODES}: the p-best paths and prompt lookup's "
                           "copy compete for them, likeliest first (default: the checkpoint's)")
+    gen.add_argument("--heads-int8", action=argparse.BooleanOptionalAction, default=None,
+                     help="the heads step with int8 weights in a C++ kernel on CPU (a quarter of the bytes per step; "
+                          "only the drafts can change); --no-heads-int8: the heads' own fp32 weights (default: on "
+                          "with compiled verification on a CPU)")
     gen.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                      help="verify with a torch.compile'd step on a static cache (first use compiles, ~1-2 min for "
                           "SmolLM2 on a CPU; --compare then also times compiled plain decoding); --no-compile: eager "

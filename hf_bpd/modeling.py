@@ -366,6 +366,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
             plan = plan_drafting(self, options) if options.use_heads else plan_plain()
             plan.compile = options.compile
             plan.tie_margin = options.tie_margin
+            plan.heads_int8 = options.heads_int8
             plan.streamer = kwargs.pop("streamer", None)
             stop_strings_as_criteria(kwargs, generation_config, self.generation_config)
             decode = functools.partial(blockwise_decoding, plan=plan)

@@ -21,6 +21,7 @@ methods below; `run_bench(..., decoders=...)` accepts any registry, so tests (or
 | `...-cost` (e.g. `bpd+ngram-compiled-cost`) | the same with `draft_schedule="cost"`: each step verifies only the drafted tokens expected to pay for their cost |
 | `bpd+lookup`, `bpd+NAME+lookup` (and `-compiled`, `-cost`) | the chain plus prompt lookup's path, verified together (`prompt_lookup=True`) |
 | `default` | `model.generate()` with nothing but the checkpoint's own `generation_config.json` (what a user gets) |
+| `default-fp32-heads` | the same with `heads_int8=False`: the heads step reads the heads' own fp32 weights |
 
 Serial calls: `GenerationStats` counts them for BPD; for `ar` they are the new tokens; for `pld`/`early-exit` they are
 the verification passes of transformers' assisted loop (one full-depth base forward each), recorded with public
@@ -299,8 +300,10 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
                         ("-compiled" if compiled else "") + ("-cost" if schedule == "cost" else "")
                     decoders[method] = p(decode_bpd, rescorer=name, compile=compiled, draft_schedule=schedule,
                                          prompt_lookup=lookup, **chain, **({} if name is None else k))
-    # The checkpoint's own generate() defaults (its generation_config.json), whatever they are.
+    # The checkpoint's own generate() defaults (its generation_config.json), whatever they are; and the same with
+    # the heads' own fp32 weights in the heads step (the default drafts with int8 weights where it can).
     decoders["default"] = decode_bpd
+    decoders["default-fp32-heads"] = p(decode_bpd, heads_int8=False)
     # p-best and trees: eager, heads only (a checkpoint's compile / prompt_lookup / schedule defaults do not apply)
     plain = dict(compile=False, prompt_lookup=False, draft_schedule="fixed", draft_nodes=None)
     if o.num_heads_to_use is not None:

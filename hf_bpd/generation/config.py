@@ -10,6 +10,7 @@
 | `tree` | `None` | Medusa-style tree: top-k widths per head (`"4,2,2,1"`, `(4, 2, 2, 1)`) or rank paths (`[(0,), (1,), (0, 0)]`) |
 | `draft_nodes` | `None` | a budget of draft tokens per verification: the drafts (the `num_drafts` best paths, prompt lookup's copy) compete for it best-first, likeliest-to-be-accepted node first (calibrated head confidences), so every step verifies one block of `1 + draft_nodes` tokens. None: every drafted token is verified (a compiled chain with `prompt_lookup` shares 7 nodes with the copy) |
 | `prompt_lookup` | `False` | also draft the context's continuation of its last n-gram (prompt lookup) and verify it with the heads' drafts in the same pass (`hf_bpd.generation.lookup`) |
+| `heads_int8` | `None` | the heads step with int8 weights (one fp32 scale per row) in a C++ kernel on CPU, a quarter of the bytes each drafted step reads (`hf_bpd.generation.int8_heads`); only the drafts can change, the output stays the base's. None: on with `compile=True` on a CPU, else off; True: also eagerly; False: never |
 | `draft_schedule` | `"fixed"` | `"fixed"`: verify every drafted token; `"cost"`: per step, verify only the drafted tokens expected to pay for their verification cost (calibrated head confidences x the machine's measured forward costs; `hf_bpd.generation.budget`) |
 | `compile` | `False` | verify with a `torch.compile`d step on a reused static cache (`hf_bpd.generation.verify`); with `use_heads=False` too, for compiled plain decoding |
 | `tie_margin` | `None` | greedy: a decoded token whose two best scores are closer than this × max(1, |best|) is decided by the base's own eager `generate()` (`hf_bpd.generation.near_ties`); None: 5e-5 for fp32 bases, 0 (never) for half precision |
@@ -32,7 +33,7 @@ from ..errors import BPDConfigError, BPDTypeError, CheckpointError
 from ..limits import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS  # noqa: F401 - the documented ceilings
 
 DRAFTING_DEFAULTS = {"rescorer": None, "draft_top_k": None, "num_drafts": 1, "num_heads_to_use": None, "tree": None,
-                     "prompt_lookup": False, "draft_schedule": "fixed", "draft_nodes": None}
+                     "prompt_lookup": False, "draft_schedule": "fixed", "draft_nodes": None, "heads_int8": None}
 DRAFTING_OPTIONS = tuple(DRAFTING_DEFAULTS)
 DECODING_DEFAULTS = {"use_heads": True, "compile": False, "tie_margin": None}  # how the loop runs, drafting or not
 DECODING_OPTIONS = tuple(DECODING_DEFAULTS)
@@ -80,6 +81,7 @@ class DraftingOptions:
     prompt_lookup: bool = False
     draft_schedule: str = "fixed"
     draft_nodes: int | None = None
+    heads_int8: bool | None = None
     explicit: tuple[str, ...] = ()
 
 
@@ -145,6 +147,9 @@ def validate_drafting_values(values: dict, where: str = "") -> dict:
         if name in out and not isinstance(out[name], bool):
             raise BPDTypeError(f"{where}{name} must be True or False, got {out[name]!r}: pass {name}=True or "
                                f"{name}=False")
+    if out.get("heads_int8") is not None and not isinstance(out["heads_int8"], bool):
+        raise BPDTypeError(f"{where}heads_int8 must be True, False or None, got {out['heads_int8']!r}: pass "
+                           "heads_int8=False for the heads' own fp32 weights")
     margin = out.get("tie_margin")
     if margin is not None:
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) \

@@ -38,7 +38,7 @@ from .near_ties import EagerReferee, default_tie_margin
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import DecodedSequence
 from .tree import DraftTree, GreedyRows, choose_token, parse_tree, walk, walk_greedy
-from .verify import _RUNNERS, COMPILED_DRAFT_SLOTS, EagerVerifier, compiled_verifier, head_top_k
+from .verify import _RUNNERS, COMPILED_DRAFT_SLOTS, EagerVerifier, compiled_verifier, head_top_k, int8_heads_step
 
 
 @dataclass
@@ -51,6 +51,7 @@ class DecodingPlan:
     compile: bool = False  # verify with the compiled step on a static cache (`hf_bpd.generation.verify`)
     schedule: str = "fixed"  # "cost": verify only the drafted tokens that pay (`hf_bpd.generation.budget`)
     tie_margin: float | None = None  # greedy near-ties decided by the base's eager generate() (`near_ties`)
+    heads_int8: bool | None = None  # the heads step with int8 weights on CPU (`int8_heads`; None: when compiled)
 
 
 def max_positions(base) -> int | None:
@@ -235,12 +236,12 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
                 buckets = sorted({1, largest} if plan.schedule == "cost" else {largest})
                 top_k = head_top_k(drafter.top_k, model.config.draft_size) if heads is not None else 0
                 before = sum(runner.compiled_buckets.values()) + sum(runner.compiled_heads.values())
-                runner.warm_up(buckets, input_ids.device, heads, top_k)
+                runner.warm_up(buckets, input_ids.device, heads, top_k, int8=plan.heads_int8 is not False)
                 plan.stats.compile_seconds = sum(runner.compiled_buckets.values()) + \
                     sum(runner.compiled_heads.values()) - before
                 verifier.buckets = buckets
                 if heads is not None:
-                    drafter.head_top = runner.heads_step(heads, top_k)
+                    drafter.head_top = runner.heads_step(heads, top_k, int8=plan.heads_int8 is not False)
         except Exception as err:  # noqa: BLE001 - a failing compiler must not break generation
             warnings.warn(f"hf_bpd: torch.compile failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
                           "decoding eagerly", stacklevel=3)
@@ -250,6 +251,9 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
                 plan.drafter.slots, plan.drafter.head_top = plan.drafter.draft_nodes, None
     if verifier is None:
         verifier = EagerVerifier(model, model_kwargs.get(CACHE_NAME), model_kwargs.get("attention_mask"))
+        if plan.heads_int8 and isinstance(plan.drafter, BlockDrafter):  # asked for eagerly too
+            plan.drafter.head_top = int8_heads_step(model.heads, head_top_k(plan.drafter.top_k,
+                                                                            model.config.draft_size))
     budget = None
     if plan.schedule == "cost" and plan.drafter.max_block_length() > 1:
         costs = {b: runner.bucket_ms[b] for b in verifier.buckets} if runner is not None else \

@@ -178,6 +178,22 @@ class _HeadsStep(nn.Module):
         return top.values - logits.logsumexp(-1, keepdim=True), top.indices
 
 
+def int8_heads_step(heads, top_k: int, warn: bool = True):
+    """The heads step with int8 weights (`hf_bpd.generation.int8_heads.Int8HeadsStep`), or None when it cannot
+    serve these heads here (with a one-line warning if `warn`: the caller then keeps the fp32 heads step)."""
+    from .int8_heads import Int8HeadsStep, kernel_error, load_kernel, unsupported_reason
+
+    reason = unsupported_reason(heads)
+    if reason is None and load_kernel() is None:
+        reason = f"its kernel did not build ({kernel_error()})"
+    if reason is None:
+        return Int8HeadsStep(heads, top_k)
+    if warn:
+        warnings.warn(f"hf_bpd: heads_int8 is not used ({reason}); drafting with the heads' own weights",
+                      stacklevel=4)
+    return None
+
+
 def head_top_k(top_k: int, draft_size: int) -> int:
     """The lattice width the compiled heads step computes for a plan of width `top_k`: 16 or 64 (one graph serves
     every plan up to it), at most the draft vocabulary."""
@@ -223,10 +239,16 @@ class CompiledRunner:
         self.compiled_buckets[q] = time.perf_counter() - start
         return logits, hidden
 
-    def heads_step(self, heads, top_k: int):
+    def heads_step(self, heads, top_k: int, int8: bool | None = False):
         """The compiled heads step for `heads` at lattice width `top_k`: `(hidden (hidden_size,), next token) ->
-        (values, indices)`."""
+        (values, indices)`; with `int8` (True, or None for "where it can"), the int8 kernel's step on CPU instead
+        (`int8_heads_step`)."""
         by_width = self.heads_steps.setdefault(heads, {})
+        if int8 is not False:
+            if ("int8", top_k) not in by_width:
+                by_width[("int8", top_k)] = int8_heads_step(heads, top_k, warn=int8 is True)
+            if by_width[("int8", top_k)] is not None:
+                return by_width[("int8", top_k)]
         if top_k not in by_width:
             compiled = torch.compile(_HeadsStep(heads, top_k).eval(), dynamic=False)
             key = (id(heads), top_k)
@@ -247,12 +269,12 @@ class CompiledRunner:
             by_width[top_k] = run
         return by_width[top_k]
 
-    def warm_up(self, buckets, device, heads=None, top_k: int = 0) -> dict[int, float]:
+    def warm_up(self, buckets, device, heads=None, top_k: int = 0, int8: bool | None = False) -> dict[int, float]:
         """Compile the verification steps of `buckets` (block lengths), and the heads step when `heads` are given,
         now (outside any timed region), and time each step; returns `{block length: seconds compiling took}`."""
         with self.lock, torch.no_grad():
             if heads is not None:
-                self.heads_step(heads, top_k)(torch.zeros(self.base.config.get_text_config().hidden_size,
+                self.heads_step(heads, top_k, int8)(torch.zeros(self.base.config.get_text_config().hidden_size,
                                                           dtype=self.base.dtype, device=device), 0)
             for b in buckets:
                 if b in self.compiled_buckets:

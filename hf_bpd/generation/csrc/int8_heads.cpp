@@ -1,0 +1,247 @@
+// The drafting heads' step on one hidden state with int8 weights: every head's blocks, the projection onto the
+// draft vocabulary, and each head's top-k log-probabilities, in one call (hf_bpd.generation.int8_heads).
+//
+// Why: after a verification forward the heads' weights are out of the CPU caches, and the step's cost is the bytes
+// it reads. fp32 weights are 47 MB for SmolLM2's 4 heads; int8 with one fp32 scale per output row is a quarter of
+// that. Activations stay fp32: y[r] = scale[r] * sum_k float(w[r, k]) * x[k] + bias[r].
+//
+// Threads: OpenMP. Loaded into a process that has already loaded PyTorch, `libgomp.so.1` resolves to the one
+// PyTorch uses, so these loops run on PyTorch's own thread pool (no second pool spinning beside it).
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+struct Linear {
+  const int8_t* weight;  // (rows, cols), row-major
+  const float* scale;    // (rows,)
+  const float* bias;     // (rows,) or null
+  int rows, cols;
+};
+
+// One vector of floats: 16 lanes with AVX-512, 8 with AVX2 + FMA (the kernel is built with -march=native), else
+// plain loops that the compiler vectorises as it can.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define BPD_VECTOR 16
+using vec = __m512;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vload_i8(const int8_t* w) {  // 16 int8 weights as 16 floats
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define BPD_VECTOR 8
+using vec = __m256;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vload_i8(const int8_t* w) {  // 8 int8 weights as 8 floats
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// acc[m * R + j] = dot(row r + j, input m) for R rows and M inputs (x[m * x_stride + k]): every weight is read and
+// converted once for all inputs, and the R * M sums are independent chains (an FMA's latency is hidden).
+template <int R, int M>
+inline void dot_block(const Linear& L, int r, const float* x, int x_stride, float* acc) {
+  const int n = L.cols;
+  const int8_t* w = L.weight + static_cast<int64_t>(r) * n;
+  int k = 0;
+#ifdef BPD_VECTOR
+  vec a[R * M];
+  for (int i = 0; i < R * M; ++i) a[i] = vzero();
+  for (; k + BPD_VECTOR <= n; k += BPD_VECTOR) {
+    vec xs[M];
+    for (int m = 0; m < M; ++m) xs[m] = vload(x + m * x_stride + k);
+    for (int j = 0; j < R; ++j) {
+      const vec v = vload_i8(w + static_cast<int64_t>(j) * n + k);
+      for (int m = 0; m < M; ++m) a[m * R + j] = vfma(v, xs[m], a[m * R + j]);
+    }
+  }
+  for (int i = 0; i < R * M; ++i) acc[i] = vsum(a[i]);
+#else
+  for (int i = 0; i < R * M; ++i) acc[i] = 0.f;
+#endif
+  for (; k < n; ++k)
+    for (int j = 0; j < R; ++j)
+      for (int m = 0; m < M; ++m)
+        acc[m * R + j] += static_cast<float>(w[static_cast<int64_t>(j) * n + k]) * x[m * x_stride + k];
+}
+
+// y[m * y_stride + r] = scale[r] * dot(row r, input m) + bias[r] for rows [begin, end) and M inputs.
+template <int M>
+inline void dot_rows(const Linear& L, const float* x, int x_stride, float* y, int y_stride, int begin, int end) {
+  constexpr int R = M == 1 ? 4 : 2;  // 4 or 8 independent sums
+  float acc[R * M];
+  int r = begin;
+  for (; r + R <= end; r += R) {
+    dot_block<R, M>(L, r, x, x_stride, acc);
+    for (int j = 0; j < R; ++j) {
+      const float s = L.scale[r + j], b = L.bias ? L.bias[r + j] : 0.f;
+      for (int m = 0; m < M; ++m) y[m * y_stride + r + j] = s * acc[m * R + j] + b;
+    }
+  }
+  for (; r < end; ++r) {
+    dot_block<1, M>(L, r, x, x_stride, acc);
+    const float s = L.scale[r], b = L.bias ? L.bias[r] : 0.f;
+    for (int m = 0; m < M; ++m) y[m * y_stride + r] = s * acc[m] + b;
+  }
+}
+
+// y (m, rows) = x (m, cols) W^T for m inputs, in groups of up to 4, rows split across threads.
+void gemv(const Linear& L, const float* x, int m, float* y, int begin, int end) {
+  for (int i = 0; i < m; i += 4) {
+    const int g = std::min(4, m - i);
+    const float* xi = x + static_cast<int64_t>(i) * L.cols;
+    float* yi = y + static_cast<int64_t>(i) * L.rows;
+    if (g == 1) dot_rows<1>(L, xi, L.cols, yi, L.rows, begin, end);
+    else if (g == 2) dot_rows<2>(L, xi, L.cols, yi, L.rows, begin, end);
+    else if (g == 3) dot_rows<3>(L, xi, L.cols, yi, L.rows, begin, end);
+    else dot_rows<4>(L, xi, L.cols, yi, L.rows, begin, end);
+  }
+}
+
+inline void split(int rows, int parts, int part, int* begin, int* end) {
+  const int chunk = (rows + parts - 1) / parts;
+  *begin = std::min(rows, part * chunk);
+  *end = std::min(rows, *begin + chunk);
+}
+
+struct Heads {
+  int num_heads, num_blocks, kind;  // kind 0: FFN blocks x + down(relu(up(x))); 1: resblocks x + silu(W x)
+  int hidden, width, vocab;
+  float softcap;
+  std::vector<Linear> layers;  // per head, per block: (up, down) or (W)
+  Linear projection;
+  std::vector<float> states, inner, delta, logits;
+};
+
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) void* bpd_int8_heads_new(
+    int num_heads, int num_blocks, int kind, int hidden, int width, int vocab, const int8_t** weights,
+    const float** scales, const float** biases, const int8_t* proj_weight, const float* proj_scale,
+    const float* proj_bias, float softcap) {
+  auto* h = new Heads();
+  h->num_heads = num_heads;
+  h->num_blocks = num_blocks;
+  h->kind = kind;
+  h->hidden = hidden;
+  h->width = width;
+  h->vocab = vocab;
+  h->softcap = softcap;
+  const int per_block = kind == 0 ? 2 : 1;
+  for (int i = 0; i < num_heads * num_blocks * per_block; ++i) {
+    const bool up = kind == 0 && i % 2 == 0;
+    const bool down = kind == 0 && i % 2 == 1;
+    h->layers.push_back(Linear{weights[i], scales[i], biases[i], up ? width : hidden, down ? width : hidden});
+  }
+  h->projection = Linear{proj_weight, proj_scale, proj_bias, vocab, hidden};
+  h->states.resize(static_cast<size_t>(num_heads) * hidden);
+  h->inner.resize(static_cast<size_t>(num_heads) * std::max(width, hidden));
+  h->delta.resize(static_cast<size_t>(num_heads) * hidden);
+  h->logits.resize(static_cast<size_t>(num_heads) * vocab);
+  return h;
+}
+
+__attribute__((visibility("default"))) void bpd_int8_heads_free(void* handle) { delete static_cast<Heads*>(handle); }
+
+// hidden (hidden,) -> values (num_heads, top_k) log-probabilities best first, indices (num_heads, top_k) into the
+// draft vocabulary; `threads` OpenMP threads (PyTorch's intra-op count).
+__attribute__((visibility("default"))) void bpd_int8_heads_run(void* handle, const float* hidden, int top_k,
+                                                                float* values, int64_t* indices, int threads) {
+  Heads& h = *static_cast<Heads*>(handle);
+  const int H = h.num_heads, d = h.hidden, per_block = h.kind == 0 ? 2 : 1;
+  for (int i = 0; i < H; ++i) std::memcpy(&h.states[static_cast<size_t>(i) * d], hidden, sizeof(float) * d);
+#pragma omp parallel num_threads(threads)
+  {
+    const int parts = omp_get_num_threads(), part = omp_get_thread_num();
+    int b, e;
+    for (int block = 0; block < h.num_blocks; ++block) {
+      // every head's block, rows split across the threads; a barrier between the stages
+      for (int i = 0; i < H; ++i) {
+        const Linear& first = h.layers[(static_cast<size_t>(i) * h.num_blocks + block) * per_block];
+        split(first.rows, parts, part, &b, &e);
+        gemv(first, &h.states[static_cast<size_t>(i) * d], 1, &h.inner[static_cast<size_t>(i) * first.rows], b, e);
+      }
+#pragma omp barrier
+      if (h.kind == 0) {
+        const int w = h.width;
+        split(H * w, parts, part, &b, &e);
+        for (int j = b; j < e; ++j) h.inner[j] = std::max(h.inner[j], 0.f);
+#pragma omp barrier
+        for (int i = 0; i < H; ++i) {
+          const Linear& down = h.layers[(static_cast<size_t>(i) * h.num_blocks + block) * 2 + 1];
+          split(d, parts, part, &b, &e);
+          dot_rows<1>(down, &h.inner[static_cast<size_t>(i) * w], w, &h.delta[static_cast<size_t>(i) * d], d, b, e);
+        }
+#pragma omp barrier
+        split(H * d, parts, part, &b, &e);
+        for (int j = b; j < e; ++j) h.states[j] += h.delta[j];  // x + down(relu(up(x)))
+      } else {
+        split(H * d, parts, part, &b, &e);
+        for (int j = b; j < e; ++j) {
+          const float z = h.inner[j];
+          h.states[j] += z / (1.f + std::exp(-z));
+        }
+      }
+#pragma omp barrier
+    }
+    // the projection: each draft-vocabulary row read once for all heads
+    split(h.vocab, parts, part, &b, &e);
+    gemv(h.projection, h.states.data(), H, h.logits.data(), b, e);
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int i = 0; i < H; ++i) {
+      float* row = &h.logits[static_cast<size_t>(i) * h.vocab];
+      const int V = h.vocab;
+      if (h.softcap > 0.f)
+        for (int v = 0; v < V; ++v) row[v] = std::tanh(row[v] / h.softcap) * h.softcap;
+      float top = row[0];
+      for (int v = 1; v < V; ++v) top = std::max(top, row[v]);
+      double sum = 0.0;
+      for (int v = 0; v < V; ++v) sum += std::exp(static_cast<double>(row[v] - top));
+      const float lse = top + static_cast<float>(std::log(sum));
+      // top-k: a heap whose front is the worst kept entry; of equal values the lower index is better
+      std::vector<std::pair<float, int>> heap;
+      heap.reserve(top_k + 1);
+      auto better = [](const std::pair<float, int>& a, const std::pair<float, int>& c) {
+        return a.first > c.first || (a.first == c.first && a.second < c.second);
+      };
+      for (int v = 0; v < V; ++v) {
+        if (static_cast<int>(heap.size()) < top_k) {
+          heap.emplace_back(row[v], v);
+          std::push_heap(heap.begin(), heap.end(), better);
+        } else if (better(std::make_pair(row[v], v), heap.front())) {
+          std::pop_heap(heap.begin(), heap.end(), better);
+          heap.back() = std::make_pair(row[v], v);
+          std::push_heap(heap.begin(), heap.end(), better);
+        }
+      }
+      std::sort_heap(heap.begin(), heap.end(), better);  // best first
+      for (int j = 0; j < top_k; ++j) {
+        values[static_cast<size_t>(i) * top_k + j] = heap[j].first - lse;
+        indices[static_cast<size_t>(i) * top_k + j] = heap[j].second;
+      }
+    }
+  }
+}
+
+}  // extern "C"

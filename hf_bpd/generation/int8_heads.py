@@ -1,0 +1,198 @@
+"""The drafting heads' step with int8 weights on CPU (`generate(..., heads_int8=True)`, the default with
+`compile=True` on a CPU).
+
+A drafted step runs the heads on one hidden state right after the verification forward has swept the CPU caches,
+so the heads step costs what its weights weigh: SmolLM2's 4 FFN heads and their draft-vocabulary projection are
+47 MB in fp32 (~1.2–1.9 ms a step here, a tenth of a compiled forward). `Int8HeadsStep` keeps every weight matrix
+as int8 with one fp32 scale per output row (symmetric, `scale = max |row| / 127`; 12 MB) and runs all heads, the
+projection and each head's top-k in one call of a small C++ kernel (`csrc/int8_heads.cpp`, OpenMP on PyTorch's
+thread pool). Activations and sums stay fp32.
+
+Only the drafts can change (each weight moves by at most half a quantisation step): the output is the base's own
+whatever the drafts are, since the base verifies every drafted token. How much the drafts change is measured, not
+assumed (`benchmarks/int8_heads.py`: top-1 agreement with the fp32 heads and block efficiency on the dev prompts).
+
+Served: FFN and resblock heads reading the base's hidden state (not sequential "hydra" heads, which feed each
+head's argmax to the next), tied to the base's output layer (over a draft vocabulary or the whole vocabulary),
+with or without logit soft-capping, fp32 weights, on CPU. Anything else keeps the compiled PyTorch heads step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+from ..hub.locate import cache_dir
+
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_heads.cpp"
+# -march=native: the kernel is built on the machine that runs it (the file name carries the CPU's features).
+_CXXFLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-DNDEBUG"]
+_lock = threading.Lock()
+_library = None
+_build_error: str | None = None
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def kernel_file() -> Path:
+    """The built kernel for this source, these flags and this CPU (hashed into the file name)."""
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CXXFLAGS).encode() + _cpu_features().encode())
+    return cache_dir() / "kernels" / f"libhf_bpd_int8_heads-{digest.hexdigest()[:16]}.so"
+
+
+def build_kernel(force: bool = False) -> Path:
+    """Compile `csrc/int8_heads.cpp` with the C++ compiler (`$CXX`, default g++) into the cache (~2 s, once)."""
+    target = kernel_file()
+    if target.exists() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(f".{os.getpid()}.tmp")
+    command = [os.environ.get("CXX", "g++"), *_CXXFLAGS, str(_SOURCE), "-o", str(partial)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise RuntimeError(f"compiling {_SOURCE.name} failed: {error}") from None
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines() or ["?"]
+        raise RuntimeError(f"compiling {_SOURCE.name} failed: {lines[0].strip()}")
+    os.replace(partial, target)
+    return target
+
+
+def load_kernel():
+    """The kernel as a `ctypes.CDLL` (built on first use), or `None` with the reason in `kernel_error()`."""
+    global _library, _build_error
+    with _lock:
+        if _library is None and _build_error is None:
+            try:
+                lib = ctypes.CDLL(str(build_kernel()))
+            except (OSError, RuntimeError) as error:
+                _build_error = str(error).splitlines()[0]
+                return None
+            ptr, cint = ctypes.c_void_p, ctypes.c_int
+            lib.bpd_int8_heads_new.argtypes = [cint, cint, cint, cint, cint, cint, ptr, ptr, ptr, ptr, ptr, ptr,
+                                               ctypes.c_float]
+            lib.bpd_int8_heads_new.restype = ptr
+            lib.bpd_int8_heads_free.argtypes = [ptr]
+            lib.bpd_int8_heads_free.restype = None
+            lib.bpd_int8_heads_run.argtypes = [ptr, ptr, cint, ptr, ptr, cint]
+            lib.bpd_int8_heads_run.restype = None
+            _library = lib
+        return _library
+
+
+def kernel_error() -> str | None:
+    return _build_error
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: `(int8 (rows, cols), fp32 scale (rows,))`, `weight ≈ q * scale[:, None]`."""
+    weight = weight.detach().float()
+    scale = weight.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
+    q = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def unsupported_reason(heads) -> str | None:
+    """Why `Int8HeadsStep` cannot run `heads` (None when it can)."""
+    config = heads.config
+    if heads.sequential:
+        return "sequential (hydra) heads feed each head's argmax to the next"
+    if config.head_type not in ("ffn", "resblock"):
+        return f"head_type {config.head_type!r}"
+    params = list(heads.parameters())
+    if any(p.device.type != "cpu" for p in params) or heads._output_embeddings[0].weight.device.type != "cpu":
+        return "the heads are not on the CPU"
+    if any(p.dtype != torch.float32 for p in params):
+        return "the heads' weights are not float32"
+    if heads.heads[0].projection is not None:
+        return "the heads have their own output projections"
+    if heads._output_embeddings[0].weight.dtype != torch.float32:
+        return "the base's output layer is not float32"
+    return None
+
+
+class Int8HeadsStep:
+    """`(hidden (hidden_size,), next token) -> (log-probabilities, draft-vocabulary indices)`, `(num_heads, top_k)`
+    each, best first: the compiled heads step's contract, with int8 weights. The weights are quantised once (from
+    the heads as they are now); `top_k` is the lattice width the caller reads."""
+
+    def __init__(self, heads, top_k: int):
+        reason = unsupported_reason(heads)
+        if reason is not None:
+            raise ValueError(f"int8 heads: {reason}")
+        lib = load_kernel()
+        if lib is None:
+            raise RuntimeError(f"int8 heads: {kernel_error()}")
+        self.lib = lib
+        config = heads.config
+        kind = 0 if config.head_type == "ffn" else 1
+        self.num_heads = config.num_heads
+        self.hidden_size = config.hidden_size
+        self.top_k = top_k
+        keep = []  # tensors the kernel points into: alive as long as this step
+
+        def hold(t: torch.Tensor | None):
+            if t is None:
+                return None
+            t = t.detach().contiguous()
+            keep.append(t)
+            return t.data_ptr()
+
+        if heads.heads[0].projection is not None:
+            raise ValueError("int8 heads: heads with their own output projections")
+        weights, scales, biases = [], [], []
+        with torch.no_grad():
+            for head in heads.heads:
+                for block in head.blocks:
+                    for linear in ((block.up, block.down) if kind == 0 else (block.linear,)):
+                        q, s = quantize_rows(linear.weight)
+                        weights.append(hold(q))
+                        scales.append(hold(s))
+                        biases.append(hold(None if linear.bias is None else linear.bias.float()))
+            projection = heads._base_projection_weight().detach()
+            bias = heads._base_projection_bias()
+            pq, ps = quantize_rows(projection)
+        width = (config.head_intermediate_size or config.hidden_size) if kind == 0 else config.hidden_size
+        self.vocab = projection.shape[0]
+        if top_k > self.vocab:
+            raise ValueError(f"int8 heads: top_k {top_k} over the draft vocabulary ({self.vocab})")
+        arrays = [(ctypes.c_void_p * len(x))(*x) for x in (weights, scales, biases)]
+        softcap = heads.logit_softcapping or 0.0
+        self.handle = lib.bpd_int8_heads_new(
+            self.num_heads, config.num_layers_per_head, kind, self.hidden_size, width, self.vocab,
+            *[ctypes.cast(a, ctypes.c_void_p) for a in arrays], hold(pq), hold(ps),
+            hold(None if bias is None else bias.detach().float()), ctypes.c_float(softcap))
+        self._keep, self._arrays = keep, arrays
+
+    def __call__(self, hidden: torch.Tensor, token=None) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = hidden.detach()
+        if hidden.dtype != torch.float32 or not hidden.is_contiguous():
+            hidden = hidden.float().contiguous()
+        if hidden.numel() != self.hidden_size:
+            raise ValueError(f"int8 heads: a hidden state of {self.hidden_size} values, got {tuple(hidden.shape)}")
+        values = torch.empty(self.num_heads, self.top_k)
+        indices = torch.empty(self.num_heads, self.top_k, dtype=torch.long)
+        self.lib.bpd_int8_heads_run(self.handle, hidden.data_ptr(), self.top_k, values.data_ptr(),
+                                    indices.data_ptr(), torch.get_num_threads())
+        return values, indices
+
+    def __del__(self):
+        handle, self.handle = getattr(self, "handle", None), None
+        if handle:
+            self.lib.bpd_int8_heads_free(handle)

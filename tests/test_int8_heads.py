@@ -1,0 +1,164 @@
+"""The int8 heads step (`hf_bpd.generation.int8_heads`): the C++ kernel against PyTorch on the dequantised weights,
+decoding with it stays exact, and what it cannot serve falls back with a one-line warning."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from hf_bpd import BlockwiseParallelForCausalLM, BPDTypeError
+from hf_bpd.generation import verify
+from hf_bpd.generation.int8_heads import Int8HeadsStep, load_kernel, quantize_rows, unsupported_reason
+from tests.conftest import VOCAB, tiny_base
+from tests.test_decoding import prompt_ids, random_bpd
+
+
+def random_heads_model(head_type: str, layers: int = 1, arch: str = "llama", draft_vocab=None, seed: int = 0,
+                       hidden: int = 40):
+    """A tiny base (hidden size 40: not a multiple of the kernel's 8 or 16 lanes) with random heads."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+
+    torch.manual_seed(seed)
+    if arch == "llama":
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+                             pad_token_id=0)
+    else:  # final_logit_softcapping
+        config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8,
+                                  bos_token_id=1, eos_token_id=2, pad_token_id=0, final_logit_softcapping=3.0)
+    base = AutoModelForCausalLM.from_config(config).eval()
+    fields = dict(num_heads=3, head_type=head_type, num_layers_per_head=layers)
+    if head_type == "ffn":
+        fields["head_intermediate_size"] = 52
+    if draft_vocab is not None:
+        fields["draft_vocab"] = draft_vocab
+    model = BlockwiseParallelForCausalLM.from_base(base, **fields)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            if p.is_floating_point():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    return model.eval()
+
+
+def dequantized(heads):
+    """A copy of `heads` whose weights are exactly what the kernel multiplies with (int8 x row scale)."""
+    copied = copy.deepcopy(heads)
+    with torch.no_grad():
+        for module in copied.modules():
+            if isinstance(module, torch.nn.Linear):
+                q, scale = quantize_rows(module.weight)
+                module.weight.copy_(q.float() * scale[:, None])
+        q, scale = quantize_rows(heads._base_projection_weight())
+    copied._base_projection_weight = lambda: q.float() * scale[:, None]
+    return copied
+
+
+def test_quantize_rows_bounds_the_error_and_keeps_zero_rows():
+    weight = torch.randn(37, 29) * torch.logspace(-3, 1, 37)[:, None]
+    weight[5] = 0
+    q, scale = quantize_rows(weight)
+    assert q.dtype == torch.int8 and int(q.abs().max()) <= 127
+    assert torch.all((q.float() * scale[:, None] - weight).abs() <= scale[:, None] / 2 + 1e-7)
+    assert torch.all(q[5] == 0)
+    assert torch.equal(q.abs().amax(1)[weight.abs().amax(1) > 0], torch.full((36,), 127, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("head_type, layers, arch, vocab", [
+    ("ffn", 1, "llama", None), ("ffn", 2, "llama", list(range(3, 83))), ("resblock", 1, "llama", None),
+    ("resblock", 2, "gemma3", list(range(10, 90))), ("ffn", 1, "gemma3", None)])
+def test_kernel_equals_pytorch_on_the_dequantized_weights(head_type, layers, arch, vocab):
+    """Every head type, block count, draft vocabulary and soft-capping: the kernel's top-k log-probabilities and
+    indices are PyTorch's on the same (dequantised) weights."""
+    assert load_kernel() is not None
+    model = random_heads_model(head_type, layers, arch, vocab)
+    step = Int8HeadsStep(model.heads, 16)
+    reference = verify._HeadsStep(dequantized(model.heads), 16).eval()
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        hidden = torch.randn(model.config.hidden_size, generator=generator)
+        values, indices = step(hidden)
+        with torch.no_grad():
+            want_values, want_indices = reference(hidden, torch.tensor(0))
+        assert values.shape == (3, 16) and indices.dtype == torch.long
+        torch.testing.assert_close(values, want_values, rtol=1e-4, atol=1e-4)
+        # equal up to near-ties: where the orders differ, the values are equal within rounding
+        differ = indices != want_indices
+        assert torch.all((values - want_values).abs()[differ] < 1e-4)
+        assert torch.equal(indices[:, 0], want_indices[:, 0])
+
+
+def test_int8_drafts_stay_close_to_the_fp32_heads():
+    """Quantisation moves each weight by at most half a step: the heads' best token mostly stays the same."""
+    model = random_heads_model("ffn", 1, "llama", None, hidden=64)
+    step = Int8HeadsStep(model.heads, 16)
+    reference = verify._HeadsStep(model.heads, 16).eval()
+    generator = torch.Generator().manual_seed(5)
+    same = 0
+    for _ in range(50):
+        hidden = torch.randn(model.config.hidden_size, generator=generator)
+        with torch.no_grad():
+            same += int((step(hidden)[1][:, 0] == reference(hidden, torch.tensor(0))[1][:, 0]).sum())
+    assert same >= 0.9 * 150
+
+
+@pytest.mark.parametrize("options", [{}, {"num_drafts": 3, "draft_top_k": 2}, {"tree": (2, 2, 1)},
+                                     {"prompt_lookup": True}])
+def test_eager_decoding_with_int8_heads_is_exact(options):
+    model = random_bpd("llama", 2)
+    for seed in range(3):
+        ids = prompt_ids(60 + seed, 3 + 4 * seed)
+        kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # served: no fallback warning
+            got = model.generate(ids, heads_int8=True, **options, **kwargs)
+        assert torch.equal(got, model.base_lm.generate(ids, **kwargs)), (seed, options)
+        assert model.last_generation_stats.block_efficiency >= 1.0
+
+
+def test_heads_the_kernel_cannot_serve_fall_back_with_a_warning():
+    model = random_bpd("llama", 2)
+    hydra = BlockwiseParallelForCausalLM.from_base(model.base_lm, num_heads=2, head_type="hydra",
+                                                   head_intermediate_size=24).eval()
+    assert "sequential" in unsupported_reason(hydra.heads)
+    ids = prompt_ids(7, 6)
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    with pytest.warns(UserWarning, match="heads_int8 is not used .*sequential"):
+        got = hydra.generate(ids, heads_int8=True, **kwargs)
+    assert torch.equal(got, model.base_lm.generate(ids, **kwargs))
+    assert "float32" in unsupported_reason(copy.deepcopy(model).to(torch.bfloat16).heads)
+
+
+def test_heads_int8_must_be_a_bool():
+    model = random_bpd("llama", 2)
+    with pytest.raises(BPDTypeError, match="heads_int8 must be True, False or None"):
+        model.generate(prompt_ids(1, 4), max_new_tokens=3, heads_int8="yes")
+
+
+def test_a_kernel_that_does_not_build_falls_back(tmp_path):
+    """No C++ compiler: generation warns once and drafts with the heads' own weights, output unchanged."""
+    child = """
+import json, warnings, torch
+from tests.test_decoding import random_bpd, prompt_ids
+model = random_bpd("llama", 2)
+ids = prompt_ids(2, 5)
+kwargs = dict(max_new_tokens=10, do_sample=False, eos_token_id=None)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    got = model.generate(ids, heads_int8=True, **kwargs)
+print("RESULT", json.dumps({"same": torch.equal(got, model.base_lm.generate(ids, **kwargs)),
+                            "warnings": [str(w.message) for w in caught if "heads_int8" in str(w.message)]}))
+"""
+    env = {**os.environ, "CXX": "/bin/false", "HF_BPD_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", child], cwd=os.path.dirname(os.path.dirname(__file__)), env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert result["same"]
+    assert len(result["warnings"]) == 1 and "did not build" in result["warnings"][0], result["warnings"]
