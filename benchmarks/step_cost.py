@@ -93,6 +93,8 @@ def main():
     if not args.eager:
         timed(verify.CompiledRunner, "run", "forward")
         runner = next(iter(verify._RUNNERS[model.base_lm].values()))
+        from hf_bpd.generation import int8_heads
+        timed(int8_heads.Int8HeadsStep, "__call__", "heads")  # the int8 heads step (heads_int8)
         for by_width in runner.heads_steps.values():  # the compiled heads step(s): wrap each in place
             for width, step in list(by_width.items()):
                 def heads_timed(hidden, token, _step=step):

@@ -162,3 +162,19 @@ print("RESULT", json.dumps({"same": torch.equal(got, model.base_lm.generate(ids,
     result = json.loads(done.stdout.split("RESULT ", 1)[1])
     assert result["same"]
     assert len(result["warnings"]) == 1 and "did not build" in result["warnings"][0], result["warnings"]
+
+
+def test_the_step_is_quantised_once_and_again_when_the_weights_change():
+    from hf_bpd.generation.int8_heads import cached_step
+
+    model = random_heads_model("ffn")
+    step = cached_step(model.heads, 16)
+    assert cached_step(model.heads, 16) is step
+    hidden = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        model.heads.heads[0].blocks[0].up.weight.mul_(-2.0)
+    again = cached_step(model.heads, 16)
+    assert again is not step
+    with torch.no_grad():
+        want = verify._HeadsStep(dequantized(model.heads), 16).eval()(hidden, torch.tensor(0))
+    torch.testing.assert_close(again(hidden)[0], want[0], rtol=1e-4, atol=1e-4)

@@ -25,6 +25,7 @@ import os
 import platform
 import subprocess
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ _CXXFLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp
 _lock = threading.Lock()
 _library = None
 _build_error: str | None = None
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # heads -> {(top_k, weights' versions): step}
 
 
 def _cpu_features() -> str:
@@ -125,6 +127,24 @@ def unsupported_reason(heads) -> str | None:
     if heads._output_embeddings[0].weight.dtype != torch.float32:
         return "the base's output layer is not float32"
     return None
+
+
+def weights_version(heads) -> tuple:
+    """Changes when any weight the step quantises changes (in-place updates bump a tensor's `_version`)."""
+    weight = heads._output_embeddings[0].weight
+    return (weight.data_ptr(), weight._version, heads.draft_vocab.data_ptr() if heads.draft_vocab is not None else 0,
+            *((p.data_ptr(), p._version) for p in heads.parameters()))
+
+
+def cached_step(heads, top_k: int) -> Int8HeadsStep:
+    """`Int8HeadsStep(heads, top_k)`, quantised once and reused while the heads' weights stay the same."""
+    with _lock:
+        by_key = _STEPS.setdefault(heads, {})
+    key = (top_k, weights_version(heads))
+    if key not in by_key:
+        by_key.clear()  # an older version's step is not needed again
+        by_key[key] = Int8HeadsStep(heads, top_k)
+    return by_key[key]
 
 
 class Int8HeadsStep:

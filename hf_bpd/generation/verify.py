@@ -181,13 +181,13 @@ class _HeadsStep(nn.Module):
 def int8_heads_step(heads, top_k: int, warn: bool = True):
     """The heads step with int8 weights (`hf_bpd.generation.int8_heads.Int8HeadsStep`), or None when it cannot
     serve these heads here (with a one-line warning if `warn`: the caller then keeps the fp32 heads step)."""
-    from .int8_heads import Int8HeadsStep, kernel_error, load_kernel, unsupported_reason
+    from .int8_heads import cached_step, kernel_error, load_kernel, unsupported_reason
 
     reason = unsupported_reason(heads)
     if reason is None and load_kernel() is None:
         reason = f"its kernel did not build ({kernel_error()})"
     if reason is None:
-        return Int8HeadsStep(heads, top_k)
+        return cached_step(heads, top_k)
     if warn:
         warnings.warn(f"hf_bpd: heads_int8 is not used ({reason}); drafting with the heads' own weights",
                       stacklevel=4)
@@ -243,12 +243,11 @@ class CompiledRunner:
         """The compiled heads step for `heads` at lattice width `top_k`: `(hidden (hidden_size,), next token) ->
         (values, indices)`; with `int8` (True, or None for "where it can"), the int8 kernel's step on CPU instead
         (`int8_heads_step`)."""
-        by_width = self.heads_steps.setdefault(heads, {})
         if int8 is not False:
-            if ("int8", top_k) not in by_width:
-                by_width[("int8", top_k)] = int8_heads_step(heads, top_k, warn=int8 is True)
-            if by_width[("int8", top_k)] is not None:
-                return by_width[("int8", top_k)]
+            step = int8_heads_step(heads, top_k, warn=int8 is True)
+            if step is not None:
+                return step
+        by_width = self.heads_steps.setdefault(heads, {})
         if top_k not in by_width:
             compiled = torch.compile(_HeadsStep(heads, top_k).eval(), dynamic=False)
             key = (id(heads), top_k)
