@@ -26,7 +26,8 @@ def model(one_thread):
 
 @pytest.mark.parametrize("options", [{}, {"tree": (2, 2, 1)}, {"num_drafts": 3, "draft_top_k": 2},
                                      {"num_drafts": 3, "draft_top_k": 2, "draft_nodes": 3, "prompt_lookup": True},
-                                     {"use_heads": False}], ids=["chain", "tree", "pbest", "nodes", "plain"])
+                                     {"use_heads": False}, {"heads_int8": False}],
+                         ids=["chain", "tree", "pbest", "nodes", "plain", "chain-fp32-heads"])
 def test_compiled_decoding_equals_the_base_greedy_output(model, options):
     for seed in range(4):
         ids = prompt(seed, 3 + 4 * seed)
@@ -42,7 +43,13 @@ def test_compiled_decoding_equals_the_base_greedy_output(model, options):
     # the steps compiled once: later calls pay nothing
     assert model.last_generation_stats.compile_seconds == 0.0
     runner = next(iter(verify._RUNNERS[model.base_lm].values()))
-    assert set(runner.compiled_buckets) <= {1, 4, 7, 10, 11} and runner.compiled_heads  # + the heads step
+    assert set(runner.compiled_buckets) <= {1, 4, 7, 10, 11}
+    if options.get("heads_int8") is False:  # the heads step compiled too
+        assert runner.compiled_heads
+    elif options.get("use_heads") is not False:  # on a CPU the heads step is the int8 kernel's (heads_int8=None)
+        from hf_bpd.generation.int8_heads import _STEPS
+
+        assert model.heads in _STEPS
 
 
 def test_compiled_cost_schedule_and_prompt_lookup_are_exact(model):
