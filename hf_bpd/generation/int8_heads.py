@@ -142,7 +142,8 @@ def cached_step(heads, top_k: int) -> Int8HeadsStep:
         by_key = _STEPS.setdefault(heads, {})
     key = (top_k, weights_version(heads))
     if key not in by_key:
-        by_key.clear()  # an older version's step is not needed again
+        for old in [k for k in by_key if k[1] != key[1]]:  # an older version's steps are not needed again
+            del by_key[old]
         by_key[key] = Int8HeadsStep(heads, top_k)
     return by_key[key]
 
