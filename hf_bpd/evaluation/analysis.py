@@ -200,6 +200,27 @@ class PromptAnalysis:
 
 
 @torch.no_grad()
+def teacher_forced_heads(model, reference: torch.Tensor, prompt_length: int, num_heads: int, chunk: int = 32):
+    """The heads on a greedy output, teacher-forced: `(base logits (steps, vocab), chunks)` for `reference`
+    `(1, seq)` whose first `prompt_length` tokens are the prompt, where `chunks` yields `(start, head logits (heads,
+    n, draft vocab))` for positions `start .. start + n - 1` in chunks of `chunk`. Position `j` is the hidden state
+    after new token `j` (it predicts new token `j + 1` with the base, `j + 2 + i` with head `i`). One base forward
+    over the output gives every hidden state; sequential heads read the output's tokens (a head's draft only counts
+    when every earlier one was accepted, i.e. equal to the output: then it read exactly what it would at decoding).
+    """
+    steps = reference.shape[1] - prompt_length - 1
+    out = model(reference[:, : prompt_length - 1 + steps], return_head_logits=False)
+    hidden = out.last_hidden_state[0, prompt_length - 1:]
+
+    def chunks():
+        for start in range(0, steps, chunk):
+            first = prompt_length - 1 + start
+            tokens = reference[:, first: first + chunk + num_heads + 1]
+            yield start, model.heads(hidden[None, start: start + chunk], num_heads, tokens=tokens)[0]
+
+    return out.logits[0, prompt_length - 1:], chunks()
+
+
 def analyze_prompt(model, input_ids: torch.Tensor, max_new_tokens: int, top_ks: Sequence[int] = DEFAULT_TOP_KS,
                    rescorer=None, rescore_top_k: int = 16, attention_mask: torch.Tensor | None = None,
                    prompt_id: str = "", category: str = "", reference: torch.Tensor | None = None,
@@ -224,18 +245,11 @@ def analyze_prompt(model, input_ids: torch.Tensor, max_new_tokens: int, top_ks: 
         return record
     num_heads = model.config.num_heads
     width = min(max(ks + ([rescore_top_k] if rescorer is not None else [])), model.config.draft_size)
-    # hidden state at position q predicts sequence[q + 1] (base) and sequence[q + 2 + i] (head i)
-    out = model(reference[:, : prompt_length - 1 + steps], return_head_logits=False)
-    hidden = out.last_hidden_state[0, prompt_length - 1:]
-    base_entropy = entropy(out.logits[0, prompt_length - 1:])
+    base_logits, chunks = teacher_forced_heads(model, reference, prompt_length, num_heads, chunk)
+    base_entropy = entropy(base_logits)
     if rescorer is not None:
         rescorer.reset()
-    for start in range(0, steps, chunk):
-        # (h, chunk, draft_vocab); sequential heads read the reference's tokens (a head's draft only counts when
-        # every earlier one was accepted, i.e. equal to the reference: then it read exactly what it would at decoding)
-        first = prompt_length - 1 + start
-        tokens = reference[:, first: first + chunk + num_heads + 1]
-        head_logits = model.heads(hidden[None, start: start + chunk], num_heads, tokens=tokens)[0]
+    for start, head_logits in chunks:  # (h, chunk, draft_vocab)
         head_entropy = entropy(head_logits)
         for offset in range(head_logits.shape[1]):
             j = start + offset

@@ -17,6 +17,7 @@ import torch
 from ..generation.budget import HeadCalibration
 from ..generation.lookup import prompt_lookup
 from ..lattice import Lattice
+from .analysis import teacher_forced_heads
 
 
 def acceptance_records(stats) -> list[tuple[int, float, bool]]:
@@ -58,24 +59,23 @@ def rank_records(model, sequence: list[int], prompt_length: int, rescorer, num_h
     steps = len(new) - 1
     if steps <= 0:
         return []
-    ids = torch.tensor([sequence[: prompt_length - 1 + steps]], device=model.device)
-    hidden = model(ids, return_head_logits=False).last_hidden_state[0, prompt_length - 1:]
-    tokens = torch.tensor([sequence], device=model.device)[:, prompt_length - 1:]
-    logits = model.heads(hidden[None], num_heads, tokens=tokens)[0]  # (heads, steps, draft vocab)
+    _, chunks = teacher_forced_heads(model, torch.tensor([sequence], device=model.device), prompt_length, num_heads)
     records = []
     rescorer.reset()
-    for j in range(steps):
-        lattice = Lattice.from_head_logits(logits[:, j], top_k, model.heads.to_vocab_ids)
-        truth = new[j + 1: j + 1 + num_heads]
-        seen = set()
-        for rank, draft in enumerate(rescorer.rescore(lattice, sequence[: prompt_length + j + 1], num_drafts)):
-            probs = lattice.token_probs(draft.tokens)
-            for i, token in enumerate(draft.tokens[: len(truth)]):
-                if tuple(draft.tokens[:i]) != tuple(truth[:i]):
-                    break  # not tried: an earlier token is rejected
-                if draft.tokens[: i + 1] not in seen:
-                    seen.add(draft.tokens[: i + 1])
-                    records.append((rank, i, probs[i], token == truth[i]))
+    for start, logits in chunks:  # (heads, chunk, draft vocab)
+        for offset in range(logits.shape[1]):
+            j = start + offset
+            lattice = Lattice.from_head_logits(logits[:, offset], top_k, model.heads.to_vocab_ids)
+            truth = new[j + 1: j + 1 + num_heads]
+            seen = set()
+            for rank, draft in enumerate(rescorer.rescore(lattice, sequence[: prompt_length + j + 1], num_drafts)):
+                probs = lattice.token_probs(draft.tokens)
+                for i, token in enumerate(draft.tokens[: len(truth)]):
+                    if tuple(draft.tokens[:i]) != tuple(truth[:i]):
+                        break  # not tried: an earlier token is rejected
+                    if draft.tokens[: i + 1] not in seen:
+                        seen.add(draft.tokens[: i + 1])
+                        records.append((rank, i, probs[i], token == truth[i]))
     return records
 
 
