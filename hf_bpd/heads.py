@@ -13,6 +13,7 @@ from .configuration import BlockwiseParallelConfig
 
 # The KV cache's name in model inputs and outputs: transformers 5.24 renamed `past_key_values` to `cache` (the old
 # name still works there, with a deprecation warning). hf_bpd passes and reads the cache under the installed name.
+# Defined here because the Hub remote code copies this file verbatim and needs it too.
 CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 

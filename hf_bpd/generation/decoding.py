@@ -34,11 +34,12 @@ from .batch import decode_batch
 from .budget import SCHEDULES, DraftBudget, HeadCalibration, eager_costs
 from .config import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS, DraftingOptions, _int_value
 from .drafting import BlockDrafter, NoDrafter
+from .int8_heads import int8_heads_step
 from .near_ties import EagerReferee, default_tie_margin
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import DecodedSequence
 from .tree import DraftTree, GreedyRows, choose_token, parse_tree, walk, walk_greedy
-from .verify import _RUNNERS, COMPILED_DRAFT_SLOTS, EagerVerifier, compiled_verifier, head_top_k, int8_heads_step
+from .verify import _RUNNERS, COMPILED_DRAFT_SLOTS, EagerVerifier, compiled_verifier, head_top_k
 
 
 @dataclass
@@ -236,12 +237,12 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
                 buckets = sorted({1, largest} if plan.schedule == "cost" else {largest})
                 top_k = head_top_k(drafter.top_k, model.config.draft_size) if heads is not None else 0
                 before = sum(runner.compiled_buckets.values()) + sum(runner.compiled_heads.values())
-                runner.warm_up(buckets, input_ids.device, heads, top_k, int8=plan.heads_int8 is not False)
+                runner.warm_up(buckets, input_ids.device, heads, top_k, int8=plan.heads_int8)
                 plan.stats.compile_seconds = sum(runner.compiled_buckets.values()) + \
                     sum(runner.compiled_heads.values()) - before
                 verifier.buckets = buckets
                 if heads is not None:
-                    drafter.head_top = runner.heads_step(heads, top_k, int8=plan.heads_int8 is not False)
+                    drafter.head_top = runner.heads_step(heads, top_k, int8=plan.heads_int8)
         except Exception as err:  # noqa: BLE001 - a failing compiler must not break generation
             warnings.warn(f"hf_bpd: torch.compile failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
                           "decoding eagerly", stacklevel=3)

@@ -3,14 +3,15 @@
 
 A drafted step runs the heads on one hidden state right after the verification forward has swept the CPU caches,
 so the heads step costs what its weights weigh: SmolLM2's 4 FFN heads and their draft-vocabulary projection are
-47 MB in fp32 (~1.2–1.9 ms a step here, a tenth of a compiled forward). `Int8HeadsStep` keeps every weight matrix
+47 MB in fp32 (1.35–1.6 ms per drafted step on an AMD EPYC, 2.8 ms on an Intel Xeon; `benchmarks/step_cost.py`). `Int8HeadsStep` keeps every weight matrix
 as int8 with one fp32 scale per output row (symmetric, `scale = max |row| / 127`; 12 MB) and runs all heads, the
 projection and each head's top-k in one call of a small C++ kernel (`csrc/int8_heads.cpp`, OpenMP on PyTorch's
 thread pool). Activations and sums stay fp32.
 
 Only the drafts can change (each weight moves by at most half a quantisation step): the output is the base's own
 whatever the drafts are, since the base verifies every drafted token. How much the drafts change is measured, not
-assumed (`benchmarks/int8_heads.py`: top-1 agreement with the fp32 heads and block efficiency on the dev prompts).
+assumed: `hf-bpd bench --methods default,default-fp32-heads` (block efficiency and speed with each) and
+`tests/test_int8_heads.py`.
 
 Served: FFN and resblock heads reading the base's hidden state (not sequential "hydra" heads, which feed each
 head's argmax to the next), tied to the base's output layer (over a draft vocabulary or the whole vocabulary),
@@ -25,6 +26,7 @@ import os
 import platform
 import subprocess
 import threading
+import warnings
 import weakref
 from pathlib import Path
 
@@ -148,6 +150,20 @@ def cached_step(heads, top_k: int) -> Int8HeadsStep:
     return by_key[key]
 
 
+def int8_heads_step(heads, top_k: int, warn: bool = True) -> Int8HeadsStep | None:
+    """The heads step with int8 weights (`cached_step`), or None when it cannot serve these heads here (with a
+    one-line warning if `warn`: the caller then keeps the fp32 heads step)."""
+    reason = unsupported_reason(heads)
+    if reason is None and load_kernel() is None:
+        reason = f"its kernel did not build ({kernel_error()})"
+    if reason is None:
+        return cached_step(heads, top_k)
+    if warn:
+        warnings.warn(f"hf_bpd: heads_int8 is not used ({reason}); drafting with the heads' own weights",
+                      stacklevel=4)
+    return None
+
+
 class Int8HeadsStep:
     """`(hidden (hidden_size,), next token) -> (log-probabilities, draft-vocabulary indices)`, `(num_heads, top_k)`
     each, best first: the compiled heads step's contract, with int8 weights. The weights are quantised once (from
@@ -175,8 +191,6 @@ class Int8HeadsStep:
             keep.append(t)
             return t.data_ptr()
 
-        if heads.heads[0].projection is not None:
-            raise ValueError("int8 heads: heads with their own output projections")
         weights, scales, biases = [], [], []
         with torch.no_grad():
             for head in heads.heads:

@@ -33,6 +33,7 @@ from transformers.cache_utils import DynamicCache, StaticCache
 
 from ..heads import CACHE_NAME
 from .inlining import compiler_options
+from .int8_heads import int8_heads_step
 from .tree import DraftTree, keep_accepted, tree_attention_masks
 
 # Static caches hold a multiple of this many tokens. The attention kernel reads every slot (masked), so a smaller
@@ -178,22 +179,6 @@ class _HeadsStep(nn.Module):
         return top.values - logits.logsumexp(-1, keepdim=True), top.indices
 
 
-def int8_heads_step(heads, top_k: int, warn: bool = True):
-    """The heads step with int8 weights (`hf_bpd.generation.int8_heads.Int8HeadsStep`), or None when it cannot
-    serve these heads here (with a one-line warning if `warn`: the caller then keeps the fp32 heads step)."""
-    from .int8_heads import cached_step, kernel_error, load_kernel, unsupported_reason
-
-    reason = unsupported_reason(heads)
-    if reason is None and load_kernel() is None:
-        reason = f"its kernel did not build ({kernel_error()})"
-    if reason is None:
-        return cached_step(heads, top_k)
-    if warn:
-        warnings.warn(f"hf_bpd: heads_int8 is not used ({reason}); drafting with the heads' own weights",
-                      stacklevel=4)
-    return None
-
-
 def head_top_k(top_k: int, draft_size: int) -> int:
     """The lattice width the compiled heads step computes for a plan of width `top_k`: 16 or 64 (one graph serves
     every plan up to it), at most the draft vocabulary."""
@@ -272,8 +257,8 @@ class CompiledRunner:
         """Compile the verification steps of `buckets` (block lengths), and the heads step when `heads` are given,
         now (outside any timed region), and time each step; returns `{block length: seconds compiling took}`."""
         with self.lock, torch.no_grad():
-            if heads is not None:
-                self.heads_step(heads, top_k, int8)(torch.zeros(self.base.config.get_text_config().hidden_size,
+            if heads is not None:  # heads_int8=True warns when unserved: once, when the decoding loop takes the step
+                self.heads_step(heads, top_k, None if int8 else int8)(torch.zeros(self.base.config.get_text_config().hidden_size,
                                                           dtype=self.base.dtype, device=device), 0)
             for b in buckets:
                 if b in self.compiled_buckets:
