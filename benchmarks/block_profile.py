@@ -1,5 +1,5 @@
-"""Where a compiled verification step's time goes, per block length: the compiled graph (GEMM templates and fused
-kernels) versus the attention kernel over the static cache (torch.profiler, 5 steps after 10 timed ones).
+"""Where a compiled verification step's time goes, per block length: the GEMMs, the attention kernel over the static
+cache, dynamo's guard checks and the rest (torch.profiler self times, 5 steps after 10 timed ones).
 
     python benchmarks/block_profile.py --lengths 4,5 --past 200 [--cache 1024]
 """
@@ -60,10 +60,14 @@ def main(argv=None) -> int:
                 for _ in range(5):
                     step()
         per_step = {e.key: e.self_cpu_time_total / 5 / 1000 for e in prof.key_averages()}
-        graph = sum(v for k, v in per_step.items() if "CompiledFxGraph" in k)
-        attention = sum(v for k, v in per_step.items() if "scaled_dot_product" in k)
-        print(f"block {b}: {1000 * sorted(times)[5]:.1f} ms per step (median of 10); compiled graph {graph:.1f} ms, "
-              f"attention {attention:.1f} ms, the rest {sum(per_step.values()) - graph - attention:.1f} ms")
+        # self times: the GEMM templates (or library matmuls), the attention kernel, dynamo's guards, the rest
+        parts = {"GEMMs": ("gemm", "mkl", "linear", "aten::mm", "addmm"), "attention": ("scaled_dot_product",),
+                 "guards": ("Cache Lookup",)}
+        ms = {part: sum(v for k, v in per_step.items() if any(n in k for n in names) and
+                        not (part == "GEMMs" and "scaled_dot_product" in k)) for part, names in parts.items()}
+        print(f"block {b}: {1000 * sorted(times)[5]:.1f} ms per step (median of 10); "
+              + ", ".join(f"{part} {v:.1f} ms" for part, v in ms.items())
+              + f", the rest {sum(per_step.values()) - sum(ms.values()):.1f} ms")
         if args.kernels:
             ranked = sorted(((v, k) for k, v in per_step.items() if "CompiledFxGraph" not in k), reverse=True)
             for value, name in ranked[: args.kernels]:

@@ -1,6 +1,7 @@
 """The compiled step's C++ compiler (`hf_bpd.generation.inlining`): GCC with raised inlining limits, so inductor's
 GEMM micro-kernels of 5..8 rows keep their accumulators in registers. Same results, bit for bit."""
 
+import contextlib
 import os
 import subprocess
 
@@ -80,3 +81,47 @@ def test_inlined_gemm_templates_give_bit_identical_results(fresh, one_thread, ro
     torch._dynamo.reset()
     assert torch.equal(outs[0], outs[1])
     torch.testing.assert_close(outs[1], module(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_prefetching_gemm_templates_give_bit_identical_results(fresh, one_thread, rows):
+    """`hf_bpd.generation.prefetch`: the frozen CPU GEMM template compiled with and without the weight prefetches —
+    the prefetch is in the generated kernel, and the outputs are equal bit for bit."""
+    from torch._inductor.utils import run_and_get_code
+
+    from hf_bpd.generation import prefetch
+
+    module = _Stack().eval()
+    x = torch.randn(1, rows, 64, generator=torch.Generator().manual_seed(rows))
+    outs, codes = [], []
+    for prefetching in (False, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(module, dynamic=False)
+        with torch.no_grad(), inductor_config.patch(verify.INDUCTOR_OPTIONS), contextlib.ExitStack() as stack:
+            if prefetching:
+                assert stack.enter_context(prefetch.prefetching_gemm_template())
+            out, code = run_and_get_code(compiled, x)
+        outs.append(out)
+        codes.append("\n".join(code))
+    torch._dynamo.reset()
+    assert "__builtin_prefetch(B + (k + 32)" in codes[1] and "__builtin_prefetch" not in codes[0]
+    assert "gemm" in codes[1]  # the GEMM template ran (max_autotune chose it), not only a library call
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_prefetching_is_off_with_zero_or_an_unknown_template(monkeypatch):
+    from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
+
+    from hf_bpd.generation import prefetch
+
+    original = CppMicroGemmFP32Vec.TEMPLATE_KERNEL
+    monkeypatch.setenv("HF_BPD_GEMM_PREFETCH", "0")
+    with prefetch.prefetching_gemm_template() as on:
+        assert not on and CppMicroGemmFP32Vec.TEMPLATE_KERNEL is original
+    monkeypatch.setenv("HF_BPD_GEMM_PREFETCH", "16")
+    with prefetch.prefetching_gemm_template() as on:
+        assert on and "(k + 16)" in CppMicroGemmFP32Vec.TEMPLATE_KERNEL
+    assert CppMicroGemmFP32Vec.TEMPLATE_KERNEL is original
+    monkeypatch.setattr(CppMicroGemmFP32Vec, "TEMPLATE_KERNEL", "another torch's template")
+    with prefetch.prefetching_gemm_template() as on:
+        assert not on and CppMicroGemmFP32Vec.TEMPLATE_KERNEL == "another torch's template"

@@ -32,7 +32,9 @@ from torch import nn
 from transformers.cache_utils import DynamicCache, StaticCache
 
 from ..heads import CACHE_NAME
+from .attention import grouped_query_attention, uses_grouped_attention
 from .inlining import compiler_options
+from .prefetch import prefetching_gemm_template
 from .int8_heads import int8_heads_step
 from .tree import DraftTree, keep_accepted, tree_attention_masks
 
@@ -61,25 +63,29 @@ class EagerVerifier:
         self.layer_types = getattr(text_config, "layer_types", None)
         self.sliding_window = getattr(text_config, "sliding_window", None)
         self.attention_mask = attention_mask
+        self.grouped = uses_grouped_attention(self.base)
 
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt pass: `(logits (1, vocab), hidden (hidden_size,))` at the last prompt position."""
-        out = self.model(input_ids=input_ids, attention_mask=self.attention_mask, **{CACHE_NAME: self.cache},
-                         use_cache=True, return_head_logits=False, logits_to_keep=1)
+        with grouped_query_attention(self.base, self.grouped):
+            out = self.model(input_ids=input_ids, attention_mask=self.attention_mask, **{CACHE_NAME: self.cache},
+                             use_cache=True, return_head_logits=False, logits_to_keep=1)
         return out.logits[:, -1], out.last_hidden_state[0, -1]
 
     def verify(self, last_token: int, tree: DraftTree, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward `[last_token] + tree.tokens`: `(logits (q, vocab), hidden (q, hidden_size))`."""
         past = self.cache.get_seq_length()
         block = torch.tensor([[last_token] + tree.tokens], dtype=torch.long, device=device)
-        if tree.is_chain():  # the ordinary causal mask and positions
-            out = self.model(input_ids=block, **{CACHE_NAME: self.cache}, use_cache=True, return_head_logits=False)
-        else:
-            mask = tree_attention_masks(tree, self.cache, past, self.layer_types, self.sliding_window,
-                                        self.base.dtype, device)
-            positions = (past + tree.block_depths()).to(device)[None]
-            out = self.model(input_ids=block, attention_mask=mask, position_ids=positions,
-                             **{CACHE_NAME: self.cache}, use_cache=True, return_head_logits=False)
+        with grouped_query_attention(self.base, self.grouped):
+            if tree.is_chain():  # the ordinary causal mask and positions
+                out = self.model(input_ids=block, **{CACHE_NAME: self.cache}, use_cache=True,
+                                 return_head_logits=False)
+            else:
+                mask = tree_attention_masks(tree, self.cache, past, self.layer_types, self.sliding_window,
+                                            self.base.dtype, device)
+                positions = (past + tree.block_depths()).to(device)[None]
+                out = self.model(input_ids=block, attention_mask=mask, position_ids=positions,
+                                 **{CACHE_NAME: self.cache}, use_cache=True, return_head_logits=False)
         return out.logits[0], out.last_hidden_state[0]
 
     def keep(self, block_length: int, kept: list[int]) -> None:
@@ -104,6 +110,7 @@ class _Patches(contextlib.ExitStack):
         super().__enter__()
         self.enter_context(inductor_config.patch({**INDUCTOR_OPTIONS, **compiler_options()}))
         self.enter_context(dynamo_config.patch(recompile_limit=MAX_COMPILED_SHAPES))
+        self.enter_context(prefetching_gemm_template())
         return self
 
 
@@ -199,14 +206,24 @@ class CompiledRunner:
         # first call per shape): passing them as `torch.compile(options=...)` did not enable the GEMM templates here
         # (measured: 43 ms vs 21 ms per one-token SmolLM2 step), and setting them globally would change the
         # user's own compiles.
-        self.compiled = torch.compile(self.step, dynamic=False)
+        # dynamo's guards on the modules' attributes cost ~0.8 ms per SmolLM2 step (`benchmarks/block_profile.py`:
+        # "TorchDynamo Cache Lookup" 0.83 -> 0.10 ms without them). This step's modules are frozen into the graph
+        # anyway (a change to the base's weights after compiling is never seen), so only the guards on the inputs
+        # are kept: the block length (input shapes) still picks the graph.
+        guard_filter = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+        self.compiled = torch.compile(self.step, dynamic=False,
+                                      options={"guard_filter_fn": guard_filter} if guard_filter else None)
+        # Grouped key/value heads are read in place, not copied per query head (`hf_bpd.generation.attention`); the
+        # switch is on in every call of the compiled step (dynamo guards on the attention implementation's name).
+        self.grouped = uses_grouped_attention(base)
         # The static cache allocates its tensors lazily, in its first update: do that now, eagerly, or the first
         # compiled call traces the allocation (guard `is_initialized == False`) and the next one compiles again
         # (measured: every first block length compiled twice, ~1 min each for SmolLM2).
         with torch.no_grad():
             device = base.device
             one = torch.zeros(1, 1, dtype=torch.long, device=device)
-            self.step(one, one, one[0], torch.zeros(1, 1, 1, max_cache_len, dtype=base.dtype, device=device))
+            with grouped_query_attention(base, self.grouped):
+                self.step(one, one, one[0], torch.zeros(1, 1, 1, max_cache_len, dtype=base.dtype, device=device))
         self.heads_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # heads -> {top_k: compiled}
         self.lock = threading.RLock()  # warm_up may run inside a caller that holds it
         self.reset()
@@ -217,9 +234,10 @@ class CompiledRunner:
     def run(self, input_ids, position_ids, cache_position, attention_mask):
         q = input_ids.shape[1]
         if q in self.compiled_buckets:  # compiled: the settings only matter while compiling (~0.26 ms a patch)
-            return self.compiled(input_ids, position_ids, cache_position, attention_mask)
+            with grouped_query_attention(self.base, self.grouped):
+                return self.compiled(input_ids, position_ids, cache_position, attention_mask)
         start = time.perf_counter()
-        with _Patches():
+        with _Patches(), grouped_query_attention(self.base, self.grouped):
             logits, hidden = self.compiled(input_ids, position_ids, cache_position, attention_mask)
         self.compiled_buckets[q] = time.perf_counter() - start
         return logits, hidden
@@ -333,8 +351,9 @@ class CompiledVerifier:
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt pass, eager, writing into the static cache (the call holds the runner's lock from here on)."""
         self.runner.reset()
-        out = self.model(input_ids=input_ids, **{CACHE_NAME: self.cache}, use_cache=True, return_head_logits=False,
-                         logits_to_keep=1)
+        with grouped_query_attention(self.base, self.runner.grouped):
+            out = self.model(input_ids=input_ids, **{CACHE_NAME: self.cache}, use_cache=True,
+                             return_head_logits=False, logits_to_keep=1)
         self.length = input_ids.shape[1]
         self.runner.set_length(self.length)
         return out.logits[:, -1], out.last_hidden_state[0, -1]

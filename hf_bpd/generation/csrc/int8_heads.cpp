@@ -65,7 +65,12 @@ inline void dot_block(const Linear& L, int r, const float* x, int x_stride, floa
 #ifdef BPD_VECTOR
   vec a[R * M];
   for (int i = 0; i < R * M; ++i) a[i] = vzero();
+  // The rows two blocks ahead are asked for while this block is computed: on a CPU whose cores keep few reads in
+  // flight, the hardware prefetchers alone left the stream stalling on the arithmetic (hf_bpd.generation.prefetch).
+  const int64_t ahead = static_cast<int64_t>(2 * R) * n;
   for (; k + BPD_VECTOR <= n; k += BPD_VECTOR) {
+    if ((k & 63) == 0)
+      for (int j = 0; j < R; ++j) __builtin_prefetch(w + static_cast<int64_t>(j) * n + k + ahead, 0, 3);
     vec xs[M];
     for (int m = 0; m < M; ++m) xs[m] = vload(x + m * x_stride + k);
     for (int j = 0; j < R; ++j) {
