@@ -171,3 +171,27 @@ def test_compiled_hydra_heads_step_and_decoding_are_exact(model):
             assert torch.equal(got, model.base_lm.generate(ids, **kwargs)), (seed, options)
             # heads_int8=None (the default) falls back to the compiled heads step silently
             assert not [w for w in caught if "heads_int8" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_two_models_of_one_shape_each_run_their_own_compiled_step(one_thread):
+    """Two bases of the same architecture and shapes but different weights, compiled in one process: each call runs
+    its own model's frozen graph (dynamo caches graphs per code object, so a guard filter that drops the modules'
+    guards let the second model run the first one's weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_bpd import BlockwiseParallelForCausalLM
+    from tests.conftest import TINY_CONFIGS
+
+    models = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        models.append(BlockwiseParallelForCausalLM.from_base(
+            AutoModelForCausalLM.from_config(TINY_CONFIGS["llama"]()).eval(), num_heads=2).eval())
+    ids = prompt(7, 6)
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    outputs = []
+    for m in models + models[::-1]:
+        got = m.generate(ids, compile=True, use_heads=False, **kwargs)
+        assert torch.equal(got, m.base_lm.generate(ids, **kwargs))
+        outputs.append(got)
+    assert not torch.equal(outputs[0], outputs[1])  # the two models do decode differently

@@ -206,13 +206,11 @@ class CompiledRunner:
         # first call per shape): passing them as `torch.compile(options=...)` did not enable the GEMM templates here
         # (measured: 43 ms vs 21 ms per one-token SmolLM2 step), and setting them globally would change the
         # user's own compiles.
-        # dynamo's guards on the modules' attributes cost ~0.8 ms per SmolLM2 step (`benchmarks/block_profile.py`:
-        # "TorchDynamo Cache Lookup" 0.83 -> 0.10 ms without them). This step's modules are frozen into the graph
-        # anyway (a change to the base's weights after compiling is never seen), so only the guards on the inputs
-        # are kept: the block length (input shapes) still picks the graph.
-        guard_filter = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
-        self.compiled = torch.compile(self.step, dynamic=False,
-                                      options={"guard_filter_fn": guard_filter} if guard_filter else None)
+        # Not `guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe` (tried, session 14: dynamo's
+        # check before each call 0.83 -> 0.10 ms per SmolLM2 step): dynamo caches graphs per code object, and
+        # without the modules' guards a second model's runner ran the first model's frozen graph (caught by
+        # tests/test_compiled.py in a full run).
+        self.compiled = torch.compile(self.step, dynamic=False)
         # Grouped key/value heads are read in place, not copied per query head (`hf_bpd.generation.attention`); the
         # switch is on in every call of the compiled step (dynamo guards on the attention implementation's name).
         self.grouped = uses_grouped_attention(base)
