@@ -36,14 +36,13 @@ def test_grouped_attention_equals_transformers_sdpa_bit_for_bit(q):
 
 def test_other_cases_run_transformers_sdpa_unchanged():
     module = tiny_base("llama").model.layers[0].self_attn
-    query, key, value, _ = _inputs(4)
-    for mask in (None,):  # no mask: transformers' own GQA path (is_causal)
-        expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=module.scaling, is_causal=True)
-        got, _ = attention.grouped_sdpa_forward(module, query, key, value, mask, scaling=module.scaling,
-                                                is_causal=True)
-        assert torch.equal(got, expected)
+    query, key, value, mask = _inputs(4)
+    # no mask: transformers' own GQA path (is_causal)
+    expected, _ = sdpa_attention_forward(module, query, key, value, None, scaling=module.scaling, is_causal=True)
+    got, _ = attention.grouped_sdpa_forward(module, query, key, value, None, scaling=module.scaling, is_causal=True)
+    assert torch.equal(got, expected)
     with pytest.raises(ValueError, match="softcap"):  # what `sdpa` says about soft-capping, not a silent change
-        attention.grouped_sdpa_forward(module, query, key, value, _inputs(4)[3], softcap=30.0)
+        attention.grouped_sdpa_forward(module, query, key, value, mask, softcap=30.0)
 
 
 def test_the_switch_is_scoped_to_the_block_and_whole_forwards_agree():

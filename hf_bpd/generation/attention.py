@@ -65,8 +65,9 @@ def grouped_query_attention(base, enabled: bool = True):
         yield
         return
     config = base.config
+    previous = config._attn_implementation
     config._attn_implementation = ATTENTION_NAME
     try:
         yield
     finally:
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = previous

@@ -34,8 +34,8 @@ from transformers.cache_utils import DynamicCache, StaticCache
 from ..heads import CACHE_NAME
 from .attention import grouped_query_attention, uses_grouped_attention
 from .inlining import compiler_options
-from .prefetch import prefetching_gemm_template
 from .int8_heads import int8_heads_step
+from .prefetch import prefetching_gemm_template
 from .tree import DraftTree, keep_accepted, tree_attention_masks
 
 # Static caches hold a multiple of this many tokens. The attention kernel reads every slot (masked), so a smaller
@@ -231,12 +231,12 @@ class CompiledRunner:
 
     def run(self, input_ids, position_ids, cache_position, attention_mask):
         q = input_ids.shape[1]
-        if q in self.compiled_buckets:  # compiled: the settings only matter while compiling (~0.26 ms a patch)
-            with grouped_query_attention(self.base, self.grouped):
+        with grouped_query_attention(self.base, self.grouped):
+            if q in self.compiled_buckets:  # compiled: the settings only matter while compiling (~0.26 ms a patch)
                 return self.compiled(input_ids, position_ids, cache_position, attention_mask)
-        start = time.perf_counter()
-        with _Patches(), grouped_query_attention(self.base, self.grouped):
-            logits, hidden = self.compiled(input_ids, position_ids, cache_position, attention_mask)
+            start = time.perf_counter()
+            with _Patches():
+                logits, hidden = self.compiled(input_ids, position_ids, cache_position, attention_mask)
         self.compiled_buckets[q] = time.perf_counter() - start
         return logits, hidden
 
