@@ -51,6 +51,6 @@ fi
 $PY -c 'import hf_bpd.rescorers.kenlm as kenlm; kenlm.build_fast_path()'
 echo "KenLM ready: $KENLM_DIR/build/bin" >&2
 # ---- end KenLM ---------------------------------------------------------------------------------------------------
-# The int8 heads step's C++ kernel (hf_bpd.generation.int8_heads), built for this CPU; generate() would build it on
+# The int8 heads step's C++ kernel (hf_bpd.runtime.int8_heads), built for this CPU; generate() would build it on
 # first use otherwise (and fall back to the fp32 heads step, with a warning, if it cannot).
-$PY -c 'from hf_bpd.generation.int8_heads import build_kernel; build_kernel()'
+$PY -c 'from hf_bpd.runtime.int8_heads import build_kernel; build_kernel()'

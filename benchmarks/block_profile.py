@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hf_bpd
-from hf_bpd.generation import verify
+from hf_bpd.runtime import compiled as verify_runtime
 
 
 def main(argv=None) -> int:
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     if args.kernels:
         torch._inductor.config.cpp.enable_kernel_profile = True
     base = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.model).base_lm
-    runner = verify.compiled_runner(base, args.cache or args.past + 256)
+    runner = verify_runtime.compiled_runner(base, args.cache or args.past + 256)
     lengths = [int(x) for x in args.lengths.split(",")]
     runner.warm_up(lengths, base.device)
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, static cache {runner.max_cache_len} slots, "

@@ -1,5 +1,5 @@
 """How many draft nodes a compiled chain with prompt lookup should verify per step: the shipped default with
-`verify.COMPILED_DRAFT_SLOTS` set to each value given, alternating per prompt with compiled plain decoding in one
+`verify_runtime.COMPILED_DRAFT_SLOTS` set to each value given, alternating per prompt with compiled plain decoding in one
 process (every step compiled in an uncounted warm-up); tok/s, ratios, block efficiency, identical outputs.
 
     python benchmarks/draft_slots.py --slots 3,7 --questions benchmarks/dev_prompts.jsonl --max-new-tokens 256
@@ -13,7 +13,8 @@ import torch
 
 import hf_bpd
 from hf_bpd.evaluation.bench import first_turn_inputs
-from hf_bpd.generation import decoding, verify
+from hf_bpd.generation import decoding
+from hf_bpd.runtime import compiled as verify_runtime
 
 
 def main(argv=None) -> int:
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
             totals[name]["tokens"] += len(new)
             totals[name]["calls"] += model.last_generation_stats.serial_calls
             totals[name]["outputs"].append(new)
-    decoding.COMPILED_DRAFT_SLOTS = verify.COMPILED_DRAFT_SLOTS  # what the library uses again
+    decoding.COMPILED_DRAFT_SLOTS = verify_runtime.COMPILED_DRAFT_SLOTS  # what the library uses again
     reference = totals["ar-compiled"]
     rows = []
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, {len(inputs)} prompts")

@@ -8,7 +8,7 @@ equals it once near-ties are left to the referee (`hf_bpd.generation.near_ties`)
     python benchmarks/near_ties.py --model checkpoints/smollm2-135m-instruct-bpd \
         --questions benchmarks/exactness_prompts.jsonl --exclude benchmarks/dev_prompts.jsonl \
         --references benchmarks/results/bench_exactness_default.json \
-        --output benchmarks/results/near_ties_exactness_pool150.json
+        --output benchmarks/results/near_ties_exactness.json
 
 Margins and errors are relative: `(top1 - top2) / max(1, |top1|)` of the eager logits, and the largest
 `|fast - eager|` over the vocabulary divided by the same scale. References (`--references`) are the `ar` outputs of an

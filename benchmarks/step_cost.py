@@ -24,6 +24,7 @@ import torch
 import hf_bpd
 from hf_bpd.evaluation.bench import first_turn_inputs
 from hf_bpd.generation import drafting, verify
+from hf_bpd.runtime import compiled as verify_runtime
 from hf_bpd.lattice import Lattice
 
 TIMES = collections.defaultdict(float)
@@ -76,7 +77,7 @@ def main():
     rescorer = model.bundled_rescorers.get(args.rescorer) if args.rescorer != "none" else None
     if rescorer is not None:
         timed(type(rescorer), "rescore", "rescore")
-    verifier = verify.EagerVerifier if args.eager else verify.CompiledVerifier
+    verifier = verify.EagerVerifier if args.eager else verify_runtime.CompiledVerifier
     timed(verifier, "verify", "verify")
     timed(verifier, "keep", "keep")
     timed(verifier, "prefill", "prefill")
@@ -91,9 +92,9 @@ def main():
     timed(drafting, "best_first_nodes", "nodes")
     timed(Lattice, "token_probs", "probs")
     if not args.eager:
-        timed(verify.CompiledRunner, "run", "forward")
-        runner = next(iter(verify._RUNNERS[model.base_lm].values()))
-        from hf_bpd.generation import int8_heads
+        timed(verify_runtime.CompiledRunner, "run", "forward")
+        runner = next(iter(verify_runtime._RUNNERS[model.base_lm].values()))
+        from hf_bpd.runtime import int8_heads
         timed(int8_heads.Int8HeadsStep, "__call__", "heads")  # the int8 heads step (heads_int8)
         for by_width in runner.heads_steps.values():  # the compiled heads step(s): wrap each in place
             for width, step in list(by_width.items()):

@@ -172,7 +172,7 @@ class BlockwiseParallelConfig(PretrainedConfig):
             from .generation.budget import HeadCalibration
 
             HeadCalibration.from_dict(self.head_calibration)  # raises a one-line error when malformed
-        from .rescorers.base import available_rescorers
+        from .rescorers.registry import available_rescorers
 
         if not isinstance(self.rescorers, dict):
             raise BPDConfigError(f"rescorers must map rescorer names to {{'path': ..., 'alpha': ...}}, got "

@@ -29,4 +29,4 @@ class CheckpointError(BPDError):
 
 
 class WorkLimitError(BPDConfigError):
-    """An option would make one decoding step cost more than its documented ceiling (README "Errors and limits")."""
+    """An option would make one decoding step cost more than its documented ceiling (docs/reliability.md "Ceilings")."""

@@ -1,8 +1,8 @@
-"""The documented ceilings (README "Errors and limits"): every value hf_bpd accepts keeps one decoding step bounded in
+"""The documented ceilings (docs/reliability.md "Ceilings"): every value hf_bpd accepts keeps one decoding step bounded in
 time and memory; a value beyond a ceiling is refused up front with a one-line error. This module imports nothing, so
 the command line checks its flags against the same numbers before loading anything.
 
-How they were chosen (SmolLM2-135M checkpoint, its 4-gram, 2 CPU cores; README "Errors and limits"):
+How they were chosen (SmolLM2-135M checkpoint, its 4-gram, 2 CPU cores; docs/reliability.md "Ceilings"):
 
 * `MAX_DRAFT_TOP_K`, `MAX_NUM_DRAFTS`: bound the rescorer's input and the verification block; the defaults are k = 16
   when rescoring, p = 1.

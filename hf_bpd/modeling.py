@@ -15,36 +15,21 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
-from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
 from .configuration import BlockwiseParallelConfig
-from .errors import BaseModelError, BPDConfigError, CheckpointError
+from .errors import BaseModelError, BPDConfigError
 from .generation.config import BlockwiseGenerationConfig, drafting_options, load_generation_config
-from .generation.decoding import blockwise_decoding, check_inputs, plan_drafting, plan_plain
-from .generation.stats import BlockwiseGenerateOutput, GenerationStats
+from .generation.decoding import blockwise_decoding, check_inputs, plan_call
+from .generation.stats import GenerationStats, finish_stats
 from .generation.stopping import stop_strings_as_criteria
-from .heads import CACHE_NAME, BlockwiseParallelOutput, DraftHeads
+from .heads import CACHE_NAME, BlockwiseParallelOutput, DraftHeads, next_token_loss
+from .hub.bundled import attach_rescorer, bundle_fields, inside, load_heads_config, merge_base_adapter
 from .hub.base_models import check_causal_lm, check_fingerprint, fingerprint, load_base_model
-from .hub.checkpoints import (HEADS_WEIGHTS_NAME, copy_bundled, load_heads_state, push_saved,
-                              resolve_checkpoint_dir)
-from .rescorers.base import rescorer_class
+from .hub.checkpoints import load_heads_state, push_saved, resolve_checkpoint_dir, save_checkpoint
 
 logger = logging.get_logger(__name__)
-
-
-def _inside(directory: Path, relative, field: str) -> Path:
-    """`directory / relative`, refusing paths that leave the checkpoint (absolute, `..`): config.json names files
-    inside its own directory only."""
-    if not isinstance(relative, str) or not relative:
-        raise CheckpointError(f"{directory / 'config.json'}: {field} must be a file name inside the checkpoint, got "
-                              f"{relative!r}: restore config.json")
-    if Path(relative).is_absolute() or ".." in Path(relative).parts:  # lexically: Hub snapshots hold symlinks
-        raise CheckpointError(f"{directory / 'config.json'}: {field}={relative!r} points outside the checkpoint "
-                              f"directory: restore config.json")
-    return directory / relative
 
 
 def heads_placement(base_model: PreTrainedModel) -> dict:
@@ -149,16 +134,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         load_options = {k: v for k, v in (("device_map", device_map), ("attn_implementation", attn_implementation),
                                           ("quantization_config", quantization_config)) if v is not None}
         directory = resolve_checkpoint_dir(pretrained_model_name_or_path, kwargs)
-        if config is None:
-            if not (directory / "config.json").exists():
-                raise CheckpointError(f"no config.json in {directory}: pass a directory written by "
-                                      "BlockwiseParallelForCausalLM.save_pretrained")
-            try:
-                config = BlockwiseParallelConfig.from_pretrained(directory)
-            except (OSError, ValueError, TypeError, KeyError) as err:  # invalid JSON, a tampered or foreign config
-                message = " ".join(str(err).split())[:300] or type(err).__name__
-                raise CheckpointError(f"{directory / 'config.json'} is not a valid heads config ({message}): restore "
-                                      "it, or save the heads again with model.save_pretrained(dir)") from None
+        config = config if config is not None else load_heads_config(directory)
         if base_model is None:
             if not config.base_model_name_or_path:
                 raise BaseModelError("the checkpoint names no base model: pass base_model=... to from_pretrained")
@@ -179,18 +155,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
             logger.warning("the base was quantized at load, so its fingerprint is not checked: make sure "
                            f"{config.base_model_name_or_path!r} is the base the heads were trained on")
         if config.base_adapter:
-            from peft import PeftModel
-
-            from .rescorers.neural import quiet_peft
-
-            adapter = _inside(directory, config.base_adapter, "base_adapter")
-            try:
-                with quiet_peft():
-                    base_model = PeftModel.from_pretrained(base_model, adapter).merge_and_unload()
-            except Exception as err:  # noqa: BLE001 - peft / safetensors raise many kinds
-                raise CheckpointError(f"the base adapter {adapter} cannot be loaded ({type(err).__name__}: "
-                                      f"{' '.join(str(err).split())[:200]}): restore it, or remove base_adapter "
-                                      "from config.json") from None
+            base_model = merge_base_adapter(base_model, inside(directory, config.base_adapter, "base_adapter"))
         model = cls(config, base_model)
         if config.base_adapter:
             model._bundle_sources["base_adapter"] = directory / config.base_adapter
@@ -198,8 +163,8 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         config.draft_vocab = None  # from here on the ids live in the heads' state
         model.generation_config = load_generation_config(directory, base_model, config)
         for name, spec in config.rescorers.items():
-            model._attach_rescorer(name, _inside(directory, spec["path"], f"rescorers.{name}.path"),
-                                   {k: v for k, v in spec.items() if k != "path"})
+            attach_rescorer(model, name, inside(directory, spec["path"], f"rescorers.{name}.path"),
+                            {k: v for k, v in spec.items() if k != "path"})
         model.eval()
         return model
 
@@ -207,35 +172,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         """Attach the rescorer `name` (registered: `hf_bpd.available_rescorers()`) stored at `path`, with its tuned
         `alpha` and fields (`order` for "ngram"; `type`, `num_layers` for "neural"): `generate(rescorer=name)` then
         uses it and `save_pretrained` copies its file(s) into `rescorers/`."""
-        path = Path(path)
-        if path.is_file() and "sha256" not in fields:  # recorded in config.json, checked on every load
-            from .rescorers.kenlm import file_sha256
-
-            fields["sha256"] = file_sha256(path)
-        if name == "ngram" and "vocab_size" not in fields:
-            from .rescorers.ngram import _read_info
-
-            if _read_info(path).get("vocab_size") is not None:
-                fields["vocab_size"] = int(_read_info(path)["vocab_size"])
-        self._attach_rescorer(name, path, {"alpha": alpha, **fields})
-
-    def _attach_rescorer(self, name: str, path: Path, spec: dict) -> None:
-        """Load and attach a bundled rescorer (`bundle_rescorer`, and `from_pretrained` for the config's)."""
-        if not path.exists():
-            raise CheckpointError(f"bundled {name} rescorer {path} is missing: rebuild it or remove it from "
-                                  "config.json's 'rescorers'")
-        alpha = spec.get("alpha", 1.0)
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha >= 0:
-            raise CheckpointError(f"the bundled {name} rescorer's alpha must be a number >= 0, got {alpha!r}: fix "
-                                  "config.json's 'rescorers' (hf-bpd tune-alpha --save writes it)")
-        spec = {**spec, "alpha": float(alpha)}
-        try:
-            self.bundled_rescorers[name] = rescorer_class(name).from_bundle(self.base_lm, path, **spec)
-        except TypeError as err:  # a field the rescorer does not take (a tampered or foreign config)
-            raise CheckpointError(f"config.json's 'rescorers.{name}' holds a field the {name} rescorer does not take "
-                                  f"({err}): remove it") from None
-        self._bundle_sources[name] = path
-        self.config.rescorers[name] = {"path": f"rescorers/{path.name}", **spec}
+        attach_rescorer(self, name, Path(path), {"alpha": alpha, **bundle_fields(name, Path(path), fields)})
 
     # ------------------------------------------------------------------ saving
     def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True, **kwargs) -> None:
@@ -248,20 +185,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("use model.push_to_hub(repo_id) to upload")
         if not is_main_process:
             return
-        directory = Path(save_directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.config.save_pretrained(directory)
-        self.generation_config.save_pretrained(directory)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.heads.state_dict().items()}
-        save_file(state, directory / HEADS_WEIGHTS_NAME, metadata={"format": "pt", "library": "hf_bpd"})
-        for name, source in self._bundle_sources.items():
-            relative = self.config.base_adapter if name == "base_adapter" else self.config.rescorers[name]["path"]
-            copy_bundled(source, directory / relative)
-        from .hub.model_card import write_model_card
-        from .hub.remote_code import write_remote_code
-
-        write_remote_code(self, directory)  # loads with plain transformers: auto_map + self-contained code
-        write_model_card(self, directory)
+        save_checkpoint(self, Path(save_directory))
 
     def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | bool | None = None,
                     commit_message: str = "Upload blockwise parallel decoding heads", revision: str | None = None,
@@ -325,11 +249,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         loss = base_loss = head_losses = None
         if labels is not None:
             head_loss, head_losses = self.heads.loss(hidden, labels, self.config.head_loss_weights, n)
-            logits = base_out.logits[:, :-1]
-            base_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                                          labels[:, 1:].reshape(-1), ignore_index=-100)
-            if not bool((labels[:, 1:] != -100).any()):
-                base_loss = logits.sum() * 0.0
+            base_loss = next_token_loss(base_out.logits, labels)
             loss = head_loss + base_loss_weight * base_loss
         return BlockwiseParallelOutput(
             loss=loss, base_loss=base_loss, head_losses=head_losses, logits=base_out.logits,
@@ -363,26 +283,13 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         else:
             if kwargs.get("custom_generate") is not None:
                 raise BPDConfigError("custom_generate replaces the drafting loop: pass use_heads=False with it")
-            plan = plan_drafting(self, options) if options.use_heads else plan_plain()
-            plan.compile = options.compile
-            plan.tie_margin = options.tie_margin
-            plan.heads_int8 = options.heads_int8
-            plan.streamer = kwargs.pop("streamer", None)
+            plan = plan_call(self, options, kwargs)
             stop_strings_as_criteria(kwargs, generation_config, self.generation_config)
             decode = functools.partial(blockwise_decoding, plan=plan)
             result = super().generate(inputs, generation_config, custom_generate=decode, **kwargs)
             stats = plan.stats
-        sequences = result if isinstance(result, torch.Tensor) else result.sequences
-        prompt_length = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 else 0
-        if stats.rows is None:  # a batch's rows counted their own new tokens
-            stats.new_tokens = sequences.shape[1] - prompt_length
-        if stats.method == "plain":
-            stats.accepted_lengths = [0] * stats.new_tokens
-        stats.total_seconds = time.perf_counter() - start
         self.last_generation_stats = stats
-        if isinstance(result, GenerateDecoderOnlyOutput) and not isinstance(result, BlockwiseGenerateOutput):
-            result = BlockwiseGenerateOutput(**result, generation_stats=stats)
-        return result
+        return finish_stats(stats, result, prompt, start)
 
 
 # `AutoConfig` / `AutoModelForCausalLM.from_pretrained(dir)` know the model type once this module is imported

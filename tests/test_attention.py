@@ -1,11 +1,11 @@
-"""Grouped-query attention read in place (`hf_bpd.generation.attention`): the verification step's attention without
+"""Grouped-query attention read in place (`hf_bpd.runtime.attention`): the verification step's attention without
 the per-query-head copies of the KV cache, bit for bit what transformers' `sdpa` attention computes."""
 
 import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hf_bpd.generation import attention
+from hf_bpd.runtime import attention
 from tests.conftest import tiny_base
 
 

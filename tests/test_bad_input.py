@@ -356,7 +356,7 @@ def test_row_loading_prints_no_peft_future_warning(tmp_path):
 def test_light_copies_of_names_agree_with_their_sources():
     """The command line and the limits keep copies of a few names so that they import nothing heavy."""
     from hf_bpd import cli, limits
-    from hf_bpd.evaluation.bench import DEFAULT_METHODS
+    from hf_bpd.evaluation.decoders import DEFAULT_METHODS
     from hf_bpd.generation.budget import SCHEDULES
     from hf_bpd.generation.config import SCHEDULES as SCHEDULE_NAMES
     from hf_bpd.generation.tree import MAX_TREE_NODES
@@ -365,7 +365,7 @@ def test_light_copies_of_names_agree_with_their_sources():
 
     assert limits.MAX_DRAFT_NODES == MAX_TREE_NODES and SCHEDULE_NAMES == SCHEDULES
     assert cli.BENCH_DEFAULT_METHODS == DEFAULT_METHODS and set(PACKAGED_ALIASES) == set(PACKAGED_MODELS)
-    from hf_bpd.rescorers.base import rescorer_class
+    from hf_bpd.rescorers.registry import rescorer_class
 
     built_in = {n for n in hf_bpd.available_rescorers() if rescorer_class(n).__module__.startswith("hf_bpd.")}
     assert set(cli.RESCORER_NAMES) == built_in

@@ -14,7 +14,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from hf_bpd import BlockwiseParallelForCausalLM, BPDConfigError, Rescorer
 from hf_bpd.lattice import Draft
-from hf_bpd.evaluation.bench import left_pad
+from hf_bpd.evaluation.batch_bench import left_pad
 from tests.conftest import ARCHS, VOCAB, differs_at_a_near_tie, tiny_base
 from tests.test_decoding import MODES, random_bpd
 from tests.test_sampling import NEW, PROMPT, V, chi2_pvalue, exact_joint

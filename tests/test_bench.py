@@ -7,17 +7,9 @@ import torch
 
 import hf_bpd
 from hf_bpd import BlockwiseParallelForCausalLM
-from hf_bpd.evaluation.bench import (
-    BenchOptions,
-    decode_ar,
-    default_decoders,
-    encode_messages,
-    load_questions,
-    markdown_report,
-    parse_methods,
-    plot_report,
-    run_bench,
-)
+from hf_bpd.evaluation.bench import (encode_messages, load_questions, machine_info, markdown_report, plot_report,
+                                     run_bench)
+from hf_bpd.evaluation.decoders import BenchOptions, decode_ar, default_decoders, parse_methods
 from hf_bpd.errors import BPDConfigError
 from tests.conftest import tiny_smollm2_vocab_base
 
@@ -150,6 +142,10 @@ def test_bench_every_method_is_exact(loaded, tmp_path):
     text = markdown_report(report)
     assert text.splitlines()[0].startswith("| method | tok/s | speed-up vs ar | block efficiency")
     assert "**NO**" not in text and "`bpd+ngram`: this checkpoint bundles no ngram rescorer" in text
+    assert "Machine:" not in text  # run_bench alone reports no machine; the CLI's report names the CPU
+
+    line = markdown_report({**report, "machine": machine_info()}).splitlines()[-1]
+    assert line.startswith("Machine: ") and f"({torch.backends.cpu.get_cpu_capability()})" in line
     written = plot_report(report, tmp_path / "plots")
     assert all((tmp_path / "plots" / name).exists() for name in ("speedup.png", "block_efficiency.png"))
     assert len(written) == 2
@@ -259,7 +255,7 @@ def test_assisted_serial_calls_are_full_depth_base_forwards(loaded, method):
 
 def test_method_names_do_not_follow_the_checkpoints_own_defaults(checkpoint):
     """A checkpoint whose config asks for 3 drafts by default: `bpd` still means one argmax chain draft."""
-    from hf_bpd.evaluation.bench import default_decoders
+    from hf_bpd.evaluation.decoders import default_decoders
 
     _, heads_dir = checkpoint
     model = BlockwiseParallelForCausalLM.from_pretrained(heads_dir)
@@ -298,7 +294,7 @@ def test_draft_slots_script_smoke(checkpoint, tmp_path, capsys):
     equals compiled plain decoding's, and the 7-node plan compiles a block of 8."""
     import importlib.util
 
-    from hf_bpd.generation import verify
+    from hf_bpd.runtime import compiled as verify_runtime
     from tests.test_training import ROOT
 
     spec = importlib.util.spec_from_file_location("draft_slots", ROOT / "benchmarks" / "draft_slots.py")
@@ -317,6 +313,6 @@ def test_draft_slots_script_smoke(checkpoint, tmp_path, capsys):
     assert [r["plan"] for r in rows] == ["ar-compiled", "default, 3 slots", "default, 7 slots"]
     assert all(r["identical"] == 2 and r["block_efficiency"] >= 1.0 for r in rows)
     assert "| default, 7 slots |" in capsys.readouterr().out
-    runners = [r for by_size in verify._RUNNERS.values() for r in by_size.values()]
+    runners = [r for by_size in verify_runtime._RUNNERS.values() for r in by_size.values()]
     assert any({4, 8} <= set(r.compiled_buckets) for r in runners)
-    assert module.decoding.COMPILED_DRAFT_SLOTS == verify.COMPILED_DRAFT_SLOTS  # restored by the script
+    assert module.decoding.COMPILED_DRAFT_SLOTS == verify_runtime.COMPILED_DRAFT_SLOTS  # restored by the script

@@ -67,7 +67,7 @@ def test_shipped_checkpoint_default_generate_is_exact(shipped):
     """What a user gets: the checkpoint's generation_config.json (compiled verification, 4 heads, the 8 best n-gram
     paths and prompt lookup's copy competing for the 7 draft nodes of a compiled block of 8), token for token against
     SmolLM2's eager greedy generate()."""
-    from hf_bpd.generation.verify import COMPILED_DRAFT_SLOTS
+    from hf_bpd.runtime.compiled import COMPILED_DRAFT_SLOTS
 
     model, inputs, expected = shipped
     config = model.generation_config

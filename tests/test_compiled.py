@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from hf_bpd.generation import verify
+from hf_bpd.runtime import compiled as verify_runtime
 from tests.conftest import VOCAB
 from tests.test_decoding import random_bpd
 
@@ -42,12 +42,12 @@ def test_compiled_decoding_equals_the_base_greedy_output(model, options):
             assert max(stats.draft_tokens) <= 3 and stats.method == "p-best+lookup/3 nodes"
     # the steps compiled once: later calls pay nothing
     assert model.last_generation_stats.compile_seconds == 0.0
-    runner = next(iter(verify._RUNNERS[model.base_lm].values()))
+    runner = next(iter(verify_runtime._RUNNERS[model.base_lm].values()))
     assert set(runner.compiled_buckets) <= {1, 4, 7, 10, 11}
     if options.get("heads_int8") is False:  # the heads step compiled too
         assert runner.compiled_heads
     elif options.get("use_heads") is not False:  # on a CPU the heads step is the int8 kernel's (heads_int8=None)
-        from hf_bpd.generation.int8_heads import _STEPS
+        from hf_bpd.runtime.int8_heads import _STEPS
 
         assert model.heads in _STEPS
 
@@ -62,9 +62,9 @@ def test_compiled_cost_schedule_and_prompt_lookup_are_exact(model):
         kwargs = dict(max_new_tokens=20, do_sample=False, eos_token_id=None)
         assert torch.equal(model.generate(ids, compile=True, **options, **kwargs),
                            model.base_lm.generate(ids, **kwargs)), options
-    runner = next(iter(verify._RUNNERS[model.base_lm].values()))
+    runner = next(iter(verify_runtime._RUNNERS[model.base_lm].values()))
     assert {1, 4} <= set(runner.bucket_ms) and min(runner.bucket_ms.values()) > 0
-    assert 1 + verify.COMPILED_DRAFT_SLOTS in runner.bucket_ms  # the chain and the copy share a block of 8
+    assert 1 + verify_runtime.COMPILED_DRAFT_SLOTS in runner.bucket_ms  # the chain and the copy share a block of 8
 
 
 def test_compiled_stops_and_sampling_settings(model):
@@ -106,19 +106,19 @@ def test_sliding_window_bases_fall_back_to_eager_with_a_warning(one_thread):
 
 def test_a_failing_compiler_falls_back_to_eager(monkeypatch, one_thread):
     model = random_bpd("qwen2", 1)
-    monkeypatch.setattr(verify, "INDUCTOR_OPTIONS", {"no_such_inductor_option": True})
+    monkeypatch.setattr(verify_runtime, "INDUCTOR_OPTIONS", {"no_such_inductor_option": True})
     ids = prompt(2, 7)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, compile=True)
     assert torch.equal(got, model.base_lm.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None))
     assert any("torch.compile failed" in str(w.message) for w in caught)
-    assert model.base_lm not in verify._RUNNERS
+    assert model.base_lm not in verify_runtime._RUNNERS
 
 
 def test_cost_model_measures_eager_and_compiled_steps(model):
     """The compiled length 4 is the chain step compiled above (same runner): no new compilation."""
-    from hf_bpd.evaluation import cost
+    from hf_bpd.runtime import cost
 
     costs = cost.measure_costs(model.base_lm, [1, 4], compiled=True, past=20, repeats=3)
     assert len(costs["eager_ms"]) == len(costs["compiled_ms"]) == 2 and min(costs["compiled_ms"]) > 0
@@ -132,12 +132,12 @@ def test_a_fresh_runner_compiles_each_block_length_once(one_thread):
     from torch._dynamo.utils import counters
 
     model = random_bpd("qwen2", 2)
-    runner = verify.compiled_runner(model.base_lm, 64)
+    runner = verify_runtime.compiled_runner(model.base_lm, 64)
     before = counters["stats"]["unique_graphs"]
     runner.warm_up([3], torch.device("cpu"))
     assert counters["stats"]["unique_graphs"] - before == 1
     assert set(runner.bucket_ms) == {3}
-    verify._RUNNERS.pop(model.base_lm, None)
+    verify_runtime._RUNNERS.pop(model.base_lm, None)
 
 
 def test_compiled_hydra_heads_step_and_decoding_are_exact(model):
@@ -153,7 +153,7 @@ def test_compiled_hydra_heads_step_and_decoding_are_exact(model):
             if p.is_floating_point():
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
     hydra.eval()
-    runner = next(iter(verify._RUNNERS[model.base_lm].values()))
+    runner = next(iter(verify_runtime._RUNNERS[model.base_lm].values()))
     step = runner.heads_step(hydra.heads, 16)
     hidden = torch.randn(hydra.config.hidden_size, generator=generator)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""The compiled step's C++ compiler (`hf_bpd.generation.inlining`): GCC with raised inlining limits, so inductor's
+"""The compiled step's C++ compiler (`hf_bpd.runtime.inlining`): GCC with raised inlining limits, so inductor's
 GEMM micro-kernels of 5..8 rows keep their accumulators in registers. Same results, bit for bit."""
 
 import contextlib
@@ -10,7 +10,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch._inductor import cpp_builder
 
-from hf_bpd.generation import inlining, verify
+from hf_bpd.runtime import compiled as compiled_step, inlining
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_inlined_gemm_templates_give_bit_identical_results(fresh, one_thread, ro
     for extra in ({}, inlining.compiler_options()):
         torch._dynamo.reset()
         compiled = torch.compile(module, dynamic=False)
-        with torch.no_grad(), inductor_config.patch({**verify.INDUCTOR_OPTIONS, **extra}):
+        with torch.no_grad(), inductor_config.patch({**compiled_step.INDUCTOR_OPTIONS, **extra}):
             outs.append(compiled(x))
     torch._dynamo.reset()
     assert torch.equal(outs[0], outs[1])
@@ -85,11 +85,11 @@ def test_inlined_gemm_templates_give_bit_identical_results(fresh, one_thread, ro
 
 @pytest.mark.parametrize("rows", [1, 8])
 def test_prefetching_gemm_templates_give_bit_identical_results(fresh, one_thread, rows):
-    """`hf_bpd.generation.prefetch`: the frozen CPU GEMM template compiled with and without the weight prefetches —
+    """`hf_bpd.runtime.prefetch`: the frozen CPU GEMM template compiled with and without the weight prefetches —
     the prefetch is in the generated kernel, and the outputs are equal bit for bit."""
     from torch._inductor.utils import run_and_get_code
 
-    from hf_bpd.generation import prefetch
+    from hf_bpd.runtime import prefetch
 
     module = _Stack().eval()
     x = torch.randn(1, rows, 64, generator=torch.Generator().manual_seed(rows))
@@ -97,7 +97,7 @@ def test_prefetching_gemm_templates_give_bit_identical_results(fresh, one_thread
     for prefetching in (False, True):
         torch._dynamo.reset()
         compiled = torch.compile(module, dynamic=False)
-        with torch.no_grad(), inductor_config.patch(verify.INDUCTOR_OPTIONS), contextlib.ExitStack() as stack:
+        with torch.no_grad(), inductor_config.patch(compiled_step.INDUCTOR_OPTIONS), contextlib.ExitStack() as stack:
             if prefetching:
                 assert stack.enter_context(prefetch.prefetching_gemm_template())
             out, code = run_and_get_code(compiled, x)
@@ -112,7 +112,7 @@ def test_prefetching_gemm_templates_give_bit_identical_results(fresh, one_thread
 def test_prefetching_is_off_with_zero_or_an_unknown_template(monkeypatch):
     from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
 
-    from hf_bpd.generation import prefetch
+    from hf_bpd.runtime import prefetch
 
     original = CppMicroGemmFP32Vec.TEMPLATE_KERNEL
     monkeypatch.setenv("HF_BPD_GEMM_PREFETCH", "0")

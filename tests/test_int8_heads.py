@@ -1,4 +1,4 @@
-"""The int8 heads step (`hf_bpd.generation.int8_heads`): the C++ kernel against PyTorch on the dequantised weights,
+"""The int8 heads step (`hf_bpd.runtime.int8_heads`): the C++ kernel against PyTorch on the dequantised weights,
 decoding with it stays exact, and what it cannot serve falls back with a one-line warning."""
 
 import copy
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from hf_bpd import BlockwiseParallelForCausalLM, BPDTypeError
-from hf_bpd.generation import verify
-from hf_bpd.generation.int8_heads import Int8HeadsStep, load_kernel, quantize_rows, unsupported_reason
+from hf_bpd.runtime import compiled as verify_runtime
+from hf_bpd.runtime.int8_heads import Int8HeadsStep, load_kernel, quantize_rows, unsupported_reason
 from tests.conftest import VOCAB, tiny_base
 from tests.test_decoding import prompt_ids, random_bpd
 
@@ -79,7 +79,7 @@ def test_kernel_equals_pytorch_on_the_dequantized_weights(head_type, layers, arc
     assert load_kernel() is not None
     model = random_heads_model(head_type, layers, arch, vocab)
     step = Int8HeadsStep(model.heads, 16)
-    reference = verify._HeadsStep(dequantized(model.heads), 16).eval()
+    reference = verify_runtime._HeadsStep(dequantized(model.heads), 16).eval()
     generator = torch.Generator().manual_seed(3)
     for _ in range(20):
         hidden = torch.randn(model.config.hidden_size, generator=generator)
@@ -98,7 +98,7 @@ def test_int8_drafts_stay_close_to_the_fp32_heads():
     """Quantisation moves each weight by at most half a step: the heads' best token mostly stays the same."""
     model = random_heads_model("ffn", 1, "llama", None, hidden=64)
     step = Int8HeadsStep(model.heads, 16)
-    reference = verify._HeadsStep(model.heads, 16).eval()
+    reference = verify_runtime._HeadsStep(model.heads, 16).eval()
     generator = torch.Generator().manual_seed(5)
     same = 0
     for _ in range(50):
@@ -165,7 +165,7 @@ print("RESULT", json.dumps({"same": torch.equal(got, model.base_lm.generate(ids,
 
 
 def test_the_step_is_quantised_once_and_again_when_the_weights_change():
-    from hf_bpd.generation.int8_heads import cached_step
+    from hf_bpd.runtime.int8_heads import cached_step
 
     model = random_heads_model("ffn")
     step = cached_step(model.heads, 16)
@@ -177,5 +177,5 @@ def test_the_step_is_quantised_once_and_again_when_the_weights_change():
     again = cached_step(model.heads, 16)
     assert again is not step
     with torch.no_grad():
-        want = verify._HeadsStep(dequantized(model.heads), 16).eval()(hidden, torch.tensor(0))
+        want = verify_runtime._HeadsStep(dequantized(model.heads), 16).eval()(hidden, torch.tensor(0))
     torch.testing.assert_close(again(hidden)[0], want[0], rtol=1e-4, atol=1e-4)

@@ -102,7 +102,8 @@ def test_pyproject_lists_every_package_and_leaves_torch_to_the_user():
     torch_req = [d for d in project["project"]["dependencies"] if re.match(r"torch\b", d)]
     assert torch_req and "==" not in torch_req[0] and ">=" in torch_req[0]
     assert "torch==2.13.0" in (ROOT / "install.sh").read_text()
-    assert not (ROOT / "setup.py").exists()
+    shim = (ROOT / "setup.py").read_text()  # the layout asks for one; it only defers to pyproject.toml
+    assert "setup()" in shim and "packages" not in shim
 
 
 def test_shipped_checkpoints_carry_the_current_remote_code():

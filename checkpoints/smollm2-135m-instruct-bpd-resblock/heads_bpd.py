@@ -7,15 +7,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: F401 - the remote copy's CACHE_NAME
 from transformers.utils import ModelOutput
 
 from .configuration_bpd import BlockwiseParallelConfig
-
-# The KV cache's name in model inputs and outputs: transformers 5.24 renamed `past_key_values` to `cache` (the old
-# name still works there, with a deprecation warning). hf_bpd passes and reads the cache under the installed name.
-# Defined here because the Hub remote code copies this file verbatim and needs it too.
 CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
 
 
 @dataclass
@@ -43,6 +40,16 @@ class BlockwiseParallelOutput(ModelOutput):
         past_key_values: object | None = None
     hidden_states: tuple | None = None
     attentions: tuple | None = None
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The base's own next-token cross-entropy of `logits` `(batch, seq, vocab)` on `labels` (-100 ignored); 0 (with a
+    gradient path) when every label is ignored."""
+    shifted = logits[:, :-1]
+    if not bool((labels[:, 1:] != -100).any()):
+        return shifted.sum() * 0.0
+    return nn.functional.cross_entropy(shifted.reshape(-1, shifted.shape[-1]).float(), labels[:, 1:].reshape(-1),
+                                       ignore_index=-100)
 
 
 class ResBlock(nn.Module):

@@ -32,7 +32,7 @@ import time
 import torch
 
 from ..errors import BPDConfigError
-from ..heads import CACHE_NAME
+from ..kv_cache import CACHE_NAME
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import DecodedSequence
 from .tree import DraftTree, choose_token, walk

@@ -187,7 +187,7 @@ class DraftBudget:
 def eager_costs(base, max_length: int, past: int = 128, repeats: int = 3) -> dict[int, float]:
     """`{n: ms}` of eager base forwards of n = 1..max_length tokens: the stored `hf-bpd profile` table when it covers
     them, else measured now (once per process and base)."""
-    from ..evaluation.cost import load_costs, measure_costs
+    from ..runtime.cost import load_costs, measure_costs
 
     known = _EAGER_COSTS.get(base, {})
     if all(n in known for n in range(1, max_length + 1)):

@@ -27,19 +27,21 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from ..errors import BPDConfigError, BPDTypeError, InputError, WorkLimitError
-from ..heads import CACHE_NAME
+from ..kv_cache import CACHE_NAME
 from ..limits import MAX_COST_SCHEDULE_BLOCK
-from ..rescorers.base import HeadScoreRescorer, resolve_rescorer
+from ..rescorers.base import HeadScoreRescorer
+from ..rescorers.registry import resolve_rescorer
+from ..runtime.compiled import COMPILED_DRAFT_SLOTS, discard_runners, head_top_k
+from ..runtime.int8_heads import int8_heads_step
 from .batch import decode_batch
 from .budget import SCHEDULES, DraftBudget, HeadCalibration, eager_costs
 from .config import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS, DraftingOptions, _int_value
 from .drafting import BlockDrafter, NoDrafter
-from .int8_heads import int8_heads_step
 from .near_ties import EagerReferee, default_tie_margin
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import DecodedSequence
 from .tree import DraftTree, GreedyRows, choose_token, parse_tree, walk, walk_greedy
-from .verify import _RUNNERS, COMPILED_DRAFT_SLOTS, EagerVerifier, compiled_verifier, head_top_k
+from .verify import EagerVerifier, compiled_verifier
 
 
 @dataclass
@@ -49,7 +51,7 @@ class DecodingPlan:
     drafter: BlockDrafter
     stats: GenerationStats
     streamer: BaseStreamer | None = None
-    compile: bool = False  # verify with the compiled step on a static cache (`hf_bpd.generation.verify`)
+    compile: bool = False  # verify with the compiled step on a static cache (`hf_bpd.runtime.compiled`)
     schedule: str = "fixed"  # "cost": verify only the drafted tokens that pay (`hf_bpd.generation.budget`)
     tie_margin: float | None = None  # greedy near-ties decided by the base's eager generate() (`near_ties`)
     heads_int8: bool | None = None  # the heads step with int8 weights on CPU (`int8_heads`; None: when compiled)
@@ -180,6 +182,16 @@ def plan_plain() -> DecodingPlan:
     return DecodingPlan(drafter=NoDrafter(), stats=GenerationStats(method="plain-compiled"))
 
 
+def plan_call(model, options: DraftingOptions, kwargs: dict) -> DecodingPlan:
+    """The plan of one `generate()` call: drafting (or plain decoding, compiled), with the call's streamer."""
+    plan = plan_drafting(model, options) if options.use_heads else plan_plain()
+    plan.compile = options.compile
+    plan.tie_margin = options.tie_margin
+    plan.heads_int8 = options.heads_int8
+    plan.streamer = kwargs.pop("streamer", None)
+    return plan
+
+
 def check_supported(input_ids, generation_config, model_kwargs, compiled: bool = False) -> None:
     """One-line errors for what drafting does not support."""
     if (generation_config.num_beams or 1) > 1:
@@ -246,7 +258,7 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
         except Exception as err:  # noqa: BLE001 - a failing compiler must not break generation
             warnings.warn(f"hf_bpd: torch.compile failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
                           "decoding eagerly", stacklevel=3)
-            _RUNNERS.pop(model.base_lm, None)
+            discard_runners(model.base_lm)
             verifier, runner = None, None
             if isinstance(plan.drafter, BlockDrafter):
                 plan.drafter.slots, plan.drafter.head_top = plan.drafter.draft_nodes, None

@@ -28,7 +28,7 @@ class BlockDrafter:
             (`best_first_nodes`: the nodes likeliest to be accepted, from the calibrated head confidences, a path
             rank's measured discount and prompt lookup's measured acceptance rates), so every step verifies one
             block of `1 + draft_nodes` tokens. Under compiled verification a chain with prompt lookup gets
-            `verify.COMPILED_DRAFT_SLOTS` nodes when none is given (set by the decoding loop).
+            `hf_bpd.runtime.compiled.COMPILED_DRAFT_SLOTS` nodes when none is given (set by the decoding loop).
     """
 
     def __init__(self, heads, num_heads: int, top_k: int = 1, num_drafts: int = 1, rescorer: Rescorer | None = None,
@@ -45,7 +45,7 @@ class BlockDrafter:
         self.calibration: HeadCalibration | None = None  # measured acceptance rates (`hf-bpd calibrate`)
         # The draft nodes one step verifies, filled best-first from the drafts and the copy: `draft_nodes`, or, for a
         # compiled chain with prompt lookup, the compiled block's length minus its root (set by the decoding loop,
-        # `verify.COMPILED_DRAFT_SLOTS`). None: every drafted token is verified.
+        # `hf_bpd.runtime.compiled.COMPILED_DRAFT_SLOTS`). None: every drafted token is verified.
         if draft_nodes is not None and not prompt_lookup:  # no more nodes than the paths hold (a compiled block
             draft_nodes = min(draft_nodes, num_heads * num_drafts)  # is padded to its budget)
         self.draft_nodes = draft_nodes  # the budget in effect (what `slots` returns to if compiling fails)

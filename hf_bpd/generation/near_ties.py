@@ -23,7 +23,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicCache
 
-from ..heads import CACHE_NAME
+from ..kv_cache import CACHE_NAME
 
 # Default `tie_margin`, relative to max(1, |best score|), for an fp32 base. Measured on SmolLM2
 # (`benchmarks/near_ties.py --rounding 6`, benchmarks/results/near_ties_rounding.json): compiled verification's logits

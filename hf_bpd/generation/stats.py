@@ -81,3 +81,22 @@ class BlockwiseGenerateOutput(GenerateDecoderOnlyOutput):
     """transformers' `GenerateDecoderOnlyOutput` (`return_dict_in_generate=True`) plus `generation_stats`."""
 
     generation_stats: GenerationStats | None = None
+
+
+def finish_stats(stats: GenerationStats, result, prompt, start: float):
+    """Complete a call's `stats` (new tokens, total seconds since `start`) and return `generate()`'s result, a dict
+    output carrying them as `generation_stats`."""
+    import time
+
+    import torch
+
+    sequences = result if isinstance(result, torch.Tensor) else result.sequences
+    prompt_length = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 else 0
+    if stats.rows is None:  # a batch's rows counted their own new tokens
+        stats.new_tokens = sequences.shape[1] - prompt_length
+    if stats.method == "plain":
+        stats.accepted_lengths = [0] * stats.new_tokens
+    stats.total_seconds = time.perf_counter() - start
+    if isinstance(result, GenerateDecoderOnlyOutput) and not isinstance(result, BlockwiseGenerateOutput):
+        result = BlockwiseGenerateOutput(**result, generation_stats=stats)
+    return result

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ..errors import BaseModelError, CheckpointError
 from .locate import locate, looks_like_path
@@ -100,3 +100,21 @@ def push_saved(save, repo_id: str, private=None, token=None, revision=None, **up
     with tempfile.TemporaryDirectory() as tmp:
         save(tmp)
         return api.upload_folder(repo_id=repo_id, folder_path=tmp, revision=revision, **upload)
+
+
+def save_checkpoint(model, directory: Path) -> None:
+    """What `save_pretrained` writes: config, generation config, heads (safetensors), bundled files, remote code and
+    model card; never the base's weights."""
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(directory)
+    model.generation_config.save_pretrained(directory)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.heads.state_dict().items()}
+    save_file(state, directory / HEADS_WEIGHTS_NAME, metadata={"format": "pt", "library": "hf_bpd"})
+    for name, source in model._bundle_sources.items():
+        relative = model.config.base_adapter if name == "base_adapter" else model.config.rescorers[name]["path"]
+        copy_bundled(source, directory / relative)
+    from .model_card import write_model_card
+    from .remote_code import write_remote_code
+
+    write_remote_code(model, directory)  # loads with plain transformers: auto_map + self-contained code
+    write_model_card(model, directory)

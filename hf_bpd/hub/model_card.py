@@ -7,7 +7,7 @@ from pathlib import Path
 from string import Template
 
 from ..generation.config import DRAFTING_OPTIONS
-from ..rescorers.base import available_rescorers
+from ..rescorers.registry import available_rescorers
 
 
 def hub_base_id(name: str | None) -> str | None:

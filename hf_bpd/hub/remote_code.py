@@ -4,7 +4,8 @@ loads the base and the heads, and `generate()` drafts with them, where hf_bpd is
 `write_remote_code` writes three self-contained files (torch, transformers and safetensors only) into a checkpoint:
 
 - `configuration_bpd.py` and `modeling_bpd.py`, from the templates in `hf_bpd/hub/remote/`;
-- `heads_bpd.py`: the text of `hf_bpd/heads.py` itself, its one relative import pointed at `configuration_bpd`, so the
+- `heads_bpd.py`: the text of `hf_bpd/heads.py` itself, its config import pointed at `configuration_bpd` and the
+  cache name (`hf_bpd/kv_cache.py`) inlined, so the
   checkpoint's heads are the same code as hf_bpd's (transformers' dynamic-module loader follows relative imports).
 
 The config then names them (`auto_map`) and records where the remote code loads the base from (`base_model_hub_id`).
@@ -30,6 +31,8 @@ AUTO_MAP = {
 ALLOWED_IMPORTS = {"__future__", "dataclasses", "functools", "hashlib", "json", "os", "warnings", "typing", "math",
                    "torch", "transformers", "safetensors"}
 _HEADS_IMPORT = "from .configuration import BlockwiseParallelConfig"
+_CACHE_IMPORT = "from .kv_cache import CACHE_NAME  # noqa: F401 - re-exported"
+KV_CACHE_SOURCE = HEADS_SOURCE.with_name("kv_cache.py")
 
 
 def base_model_hub_id(name_or_path: str | os.PathLike | None) -> str | None:
@@ -54,7 +57,14 @@ def heads_source() -> str:
     if text.count(_HEADS_IMPORT + "\n") != 1:
         raise CheckpointError(f"{HEADS_SOURCE} no longer imports its config as `{_HEADS_IMPORT}`: update "
                               "hf_bpd.hub.remote_code.heads_source")
+    if text.count(_CACHE_IMPORT + "\n") != 1:
+        raise CheckpointError(f"{HEADS_SOURCE} no longer imports `{_CACHE_IMPORT}`: update "
+                              "hf_bpd.hub.remote_code.heads_source")
+    # The cache name's definition is inlined (the checkpoint has no kv_cache module); its own import, once.
+    definition = [line for line in KV_CACHE_SOURCE.read_text(encoding="utf-8").splitlines()
+                  if line.startswith("CACHE_NAME = ")]
     text = text.replace(_HEADS_IMPORT + "\n", "from .configuration_bpd import BlockwiseParallelConfig\n")
+    text = text.replace(_CACHE_IMPORT + "\n", "\n".join(definition) + "\n")
     return "# Copied from hf_bpd/heads.py by hf_bpd.hub.remote_code.write_remote_code: edit that file.\n" + text
 
 

@@ -1,14 +1,15 @@
 """Draft refinement (paper Sec. 7): rescorers pick drafts from the heads' top-k lattice.
 
-`base` holds the `Rescorer` interface and the registry (`register_rescorer`, `available_rescorers`); `ngram` the
+`base` holds the `Rescorer` interface and `register_rescorer`; `registry` the names (`available_rescorers`) and the
+`rescorer=` option resolved to an instance; `ngram` the
 exact p-best n-gram rescorer (KenLM; `kenlm` installs, builds and compiles its fast path); `neural` the local
 neural rescorer (Alg. 2). Adding a rescorer is one module with one `@register_rescorer("name")` class.
 """
 
 import importlib
 
-_LAZY = {"NO_RESCORER": "base", "HeadScoreRescorer": "base", "Rescorer": "base", "available_rescorers": "base",
-         "register_rescorer": "base", "rescorer_class": "base", "resolve_rescorer": "base", "build_ngram": "kenlm",
+_LAZY = {"NO_RESCORER": "base", "HeadScoreRescorer": "base", "Rescorer": "base", "available_rescorers": "registry",
+         "register_rescorer": "base", "rescorer_class": "registry", "resolve_rescorer": "registry", "build_ngram": "kenlm",
          "NeuralRescorer": "neural", "NgramRescorer": "ngram"}
 
 __all__ = ["NO_RESCORER", "HeadScoreRescorer", "NeuralRescorer", "NgramRescorer", "Rescorer",

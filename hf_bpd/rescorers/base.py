@@ -27,7 +27,7 @@ class Rescorer:
     """
 
     name: ClassVar[str | None] = None  # set by `register_rescorer`
-    # Ceiling of `work(...)` (README "Errors and limits"): a call whose estimate exceeds it is refused up front.
+    # Ceiling of `work(...)` (docs/reliability.md "Ceilings"): a call whose estimate exceeds it is refused up front.
     max_work: ClassVar[int] = MAX_RESCORING_WORK  # 64 (draft_top_k) x 64 (num_drafts) x 4 heads
 
     @classmethod
@@ -117,32 +117,3 @@ def register_rescorer(name: str):
         return cls
 
     return register
-
-
-def available_rescorers() -> list[str]:
-    """Names of every registered rescorer (the built-in `ngram` and `neural`, and any registered since)."""
-    from . import neural, ngram  # noqa: F401 - importing them registers the built-in rescorers
-
-    return sorted(_REGISTRY)
-
-
-def rescorer_class(name: str) -> type[Rescorer]:
-    if name not in available_rescorers():
-        raise BPDConfigError(f"unknown rescorer {name!r}: use one of {', '.join(available_rescorers())}, "
-                             f"{NO_RESCORER!r}, or register one with @hf_bpd.register_rescorer")
-    return _REGISTRY[name]
-
-
-def resolve_rescorer(rescorer, bundled: dict[str, Rescorer], model=None) -> Rescorer:
-    """A `Rescorer` for the `rescorer` generation option: None/"none" (head scores), an instance, or a registered
-    name (the checkpoint's bundled rescorer of that name, else the class's own `for_model`)."""
-    if rescorer is None or rescorer == NO_RESCORER:
-        return HeadScoreRescorer()
-    if isinstance(rescorer, Rescorer):
-        return rescorer
-    if isinstance(rescorer, str):
-        if rescorer in bundled:
-            return bundled[rescorer]
-        return rescorer_class(rescorer).for_model(model)
-    raise BPDConfigError(f"rescorer must be a name ({', '.join(available_rescorers())}, {NO_RESCORER!r}), None or a "
-                         f"hf_bpd.Rescorer instance, got {type(rescorer).__name__}")

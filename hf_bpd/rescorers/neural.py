@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
 from ..errors import BPDConfigError, CheckpointError
-from ..heads import CACHE_NAME
+from ..kv_cache import CACHE_NAME
 from ..lattice import Draft, Lattice
 from .base import Rescorer, register_rescorer
 

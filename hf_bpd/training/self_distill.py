@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..cli import load_for_generation
+from ..cli.common import load_for_generation
 from .data import load_prompts
 from .make_dev_split import shuffled
 

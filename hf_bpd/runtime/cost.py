@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import DynamicCache
 
-from ..heads import CACHE_NAME
+from ..kv_cache import CACHE_NAME
 from ..hub.base_models import cache_dir, fingerprint
 
 
@@ -73,7 +73,7 @@ def measure_costs(base, lengths, compiled: bool = True, past: int = 200, repeats
 
         eager.append(_median_ms(eager_step, repeats))
     if compiled:
-        from ..generation.verify import compiled_runner
+        from .compiled import compiled_runner
 
         runner = compiled_runner(base, past + max(lengths))
         with runner.lock:

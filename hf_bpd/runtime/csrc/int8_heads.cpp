@@ -1,5 +1,5 @@
 // The drafting heads' step on one hidden state with int8 weights: every head's blocks, the projection onto the
-// draft vocabulary, and each head's top-k log-probabilities, in one call (hf_bpd.generation.int8_heads).
+// draft vocabulary, and each head's top-k log-probabilities, in one call (hf_bpd.runtime.int8_heads).
 //
 // Why: after a verification forward the heads' weights are out of the CPU caches, and the step's cost is the bytes
 // it reads. fp32 weights are 47 MB for SmolLM2's 4 heads; int8 with one fp32 scale per output row is a quarter of
@@ -66,7 +66,7 @@ inline void dot_block(const Linear& L, int r, const float* x, int x_stride, floa
   vec a[R * M];
   for (int i = 0; i < R * M; ++i) a[i] = vzero();
   // The rows two blocks ahead are asked for while this block is computed: on a CPU whose cores keep few reads in
-  // flight, the hardware prefetchers alone left the stream stalling on the arithmetic (hf_bpd.generation.prefetch).
+  // flight, the hardware prefetchers alone left the stream stalling on the arithmetic (hf_bpd.runtime.prefetch).
   const int64_t ahead = static_cast<int64_t>(2 * R) * n;
   for (; k + BPD_VECTOR <= n; k += BPD_VECTOR) {
     if ((k & 63) == 0)

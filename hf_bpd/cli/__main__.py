@@ -1,0 +1,7 @@
+"""`python -m hf_bpd.cli`: the `hf-bpd` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

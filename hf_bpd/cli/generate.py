@@ -1,0 +1,238 @@
+"""`hf-bpd generate`: one prompt, printed with its generation statistics; `--compare` adds plain greedy decoding
+(and plain BPD) side by side."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+from ..limits import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS
+from .common import (DEFAULT_PROMPT, DEVICE_HELP, DTYPES, RESCORER_NAMES, _check_drafting_flags, _int_list, _locate,
+                     _positive, load_for_generation)
+
+
+def _encode(tokenizer, prompt: str, chat: bool):
+    if chat:
+        if not tokenizer.chat_template:
+            raise ValueError("this tokenizer has no chat template: drop --chat")
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+    return tokenizer(prompt, return_tensors="pt")
+
+
+def _draft_options(args) -> dict:
+    """`generate()` keyword arguments for the drafting options of `hf-bpd generate` (unset: the checkpoint's)."""
+    options = {}
+    if args.rescorer is not None:
+        options["rescorer"] = args.rescorer
+    for name in ("num_drafts", "draft_top_k", "num_heads_to_use", "draft_schedule", "prompt_lookup", "draft_nodes",
+                 "heads_int8"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    if args.tree:
+        options["tree"] = ",".join(map(str, _int_list(args.tree, "--tree")))
+    return options
+
+
+def _method_label(model, options: dict) -> str:
+    config = model.generation_config
+    compiled = ", compiled" if options.get("compile", config.compile) else ""
+    rescorer = options.get("rescorer", config.rescorer)
+    name = f" + {rescorer}" if isinstance(rescorer, str) and rescorer != "none" else ""  # else head scores
+    name += " + lookup" if options.get("prompt_lookup", config.prompt_lookup) else ""
+    compiled += ", cost schedule" if options.get("draft_schedule", config.draft_schedule) == "cost" else ""
+    if options.get("tree", config.tree) is not None:
+        return f"tree{name}{compiled}"
+    drafts = options.get("num_drafts") or config.num_drafts
+    nodes = options.get("draft_nodes", getattr(config, "draft_nodes", None))
+    compiled = (f", {nodes} nodes" if nodes is not None else "") + compiled
+    return f"bpd{name}" + (f", {drafts}-best" if drafts > 1 else "") + compiled
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def _check_sampling(args) -> None:
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise ValueError(f"--temperature must be a number > 0, got {args.temperature}")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k must be >= 0 (0: no top-k filtering), got {args.top_k}")
+    if not args.do_sample and (args.temperature != 1.0 or args.top_p != 1.0 or args.top_k != 0):
+        raise ValueError("--temperature / --top-p / --top-k only apply to sampling: add --do-sample, or drop them")
+
+
+def cmd_generate(args) -> int:
+    _positive(args, "max_new_tokens", "threads")
+    _check_sampling(args)
+    _check_drafting_flags(args)
+    if args.tree:
+        _int_list(args.tree, "--tree")
+    if not args.prompt.strip():
+        raise ValueError("--prompt is empty: pass the text to continue")
+    if args.no_heads and (args.rescorer or args.tree or args.num_drafts or args.draft_top_k or args.num_heads_to_use
+                          or args.prompt_lookup is not None or args.draft_schedule or args.draft_nodes):
+        raise ValueError("--no-heads decodes plainly, so drafting flags (--rescorer, --num-drafts, --draft-top-k, "
+                         "--tree, --num-heads-to-use, --prompt-lookup, --draft-schedule, --draft-nodes) would be ignored: drop them")
+    _locate(args.model)
+    import torch
+    from transformers import TextStreamer
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_for_generation(args.model, args.dtype, args.device)
+    has_heads = hasattr(model, "heads")
+    options = _draft_options(args) if has_heads else {}
+    if not has_heads and (args.rescorer or args.tree or args.num_drafts or args.draft_top_k or args.num_heads_to_use
+                          or args.prompt_lookup is not None or args.draft_schedule or args.draft_nodes):
+        raise ValueError(f"{args.model} is a plain base model: drafting options need a heads checkpoint")
+    inputs = _encode(tokenizer, args.prompt, args.chat).to(model.device)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
+    if args.do_sample:
+        kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    if args.no_heads:  # plain decoding; a plain base model decodes plainly anyway
+        options = {"use_heads": False} if has_heads else {}
+    if args.compile is not None:
+        if not has_heads:
+            raise ValueError(f"{args.model} is a plain base model: --compile needs a heads checkpoint")
+        options["compile"] = args.compile
+    if args.tie_margin is not None:
+        if not has_heads:
+            raise ValueError(f"{args.model} is a plain base model: --tie-margin needs a heads checkpoint")
+        options["tie_margin"] = args.tie_margin
+    # compiled verification: asked for, or the checkpoint's default (its generation_config.json)
+    compiled = has_heads and options.get("compile", getattr(model.generation_config, "compile", False))
+    if has_heads and not args.no_heads:
+        from ..generation.config import drafting_options
+        from ..generation.decoding import plan_drafting
+
+        # bad drafting options fail here, in one line, before any decoding
+        plan_drafting(model, drafting_options(dict(options), None, model.generation_config))
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
+    prompt_length = inputs["input_ids"].shape[1]
+    # the comparison's plain BPD row: the heads' argmax chain, same heads and compilation as this run
+    plain_bpd = dict(rescorer=None, num_drafts=1, tree=None, prompt_lookup=False, draft_nodes=None, draft_schedule="fixed",
+                     compile=compiled, **{k: v for k, v in options.items() if k in ("num_heads_to_use", "tie_margin")})
+    same_ties = {k: v for k, v in options.items() if k == "tie_margin"}  # compiled plain decides near-ties alike
+    if args.compare or compiled:  # warm-up (allocations, rescorer loading, compilation) is not timed
+        start = time.perf_counter()
+        model.generate(**inputs, **{**kwargs, "max_new_tokens": 8}, **options)
+        if compiled and args.compare and not args.no_heads:
+            model.generate(**inputs, **{**kwargs, "max_new_tokens": 8}, use_heads=False, compile=True,
+                           **same_ties)
+            model.generate(**inputs, **{**kwargs, "max_new_tokens": 8}, **plain_bpd)
+        if compiled:
+            import torch as _torch
+
+            print(f"compiled the verification step(s) in {time.perf_counter() - start:.0f} s (once per process; "
+                  f"CPU: {_torch.backends.cpu.get_cpu_capability()})", file=sys.stderr)
+
+    out, seconds = _timed(lambda: model.generate(**inputs, streamer=streamer, **kwargs, **options))
+    stats = getattr(model, "last_generation_stats", None) if has_heads and not args.no_heads else None
+    new_tokens = out.shape[1] - prompt_length
+    if not args.stream:
+        print(tokenizer.decode(out[0, prompt_length:], skip_special_tokens=True))
+    print("---")
+    print(f"new tokens: {new_tokens}  time: {seconds:.2f} s  speed: {new_tokens / seconds:.1f} tok/s")
+    if stats is not None:
+        print(f"block efficiency: {stats.block_efficiency:.2f} tokens per serial call "
+              f"({stats.serial_calls} calls, mean accepted draft tokens {stats.mean_accepted:.2f})")
+        if stats.tie_checks:
+            print(f"near-ties decided by the base's eager generate(): {stats.tie_checks} ({stats.tie_changes} "
+                  f"changed, {stats.tie_seconds:.2f} s)")
+    if args.compare:
+        base = getattr(model, "base_lm", model)
+        ref, ref_seconds = _timed(lambda: base.generate(**inputs, **kwargs))  # the same greedy/sampling settings
+        rows = [("plain greedy generate()" if not args.do_sample else "plain sampling generate()",
+                 ref.shape[1] - prompt_length, ref_seconds, 1.0, None)]
+        label = _method_label(model, options) if stats is not None else "this run"
+        if compiled and not args.no_heads:
+            plain_c, plain_c_seconds = _timed(lambda: model.generate(**inputs, **kwargs, use_heads=False, compile=True,
+                                                                       **same_ties))
+            rows.append(("plain decoding, compiled (use_heads=False, compile=True)", plain_c.shape[1] - prompt_length,
+                         plain_c_seconds, 1.0, None if args.do_sample else torch.equal(plain_c, ref)))
+        if stats is not None and _method_label(model, options) not in ("bpd", "bpd, compiled"):
+            plain, plain_seconds = _timed(lambda: model.generate(**inputs, **kwargs, **plain_bpd))
+            rows.append(("bpd (heads' top-1 draft" + (", compiled)" if compiled else ")"), plain.shape[1] - prompt_length, plain_seconds,
+                         model.last_generation_stats.block_efficiency,
+                         None if args.do_sample else torch.equal(plain, ref)))
+        rows.append((f"{label} (above)", new_tokens, seconds, stats.block_efficiency if stats else 1.0,
+                     None if args.do_sample else torch.equal(out, ref)))
+        print("\n| method | tok/s | speed-up | block efficiency | identical to plain |")
+        print("| --- | --- | --- | --- | --- |")
+        ref_rate = rows[0][1] / rows[0][2]
+        for name, n, secs, be, same in rows:
+            ident = "-" if same is None else ("yes" if same else "NO")
+            print(f"| {name} | {n / secs:.1f} | {n / secs / ref_rate:.2f}x | {be:.2f} | {ident} |")
+        if not args.do_sample:
+            print(f"speed-up: {ref_seconds / seconds:.2f}x  identical output: {torch.equal(out, ref)}")
+    return 0
+
+
+def add_parsers(sub, command) -> None:
+    """The `generate` subcommand's parser."""
+    gen = command(
+        "generate", "generate text for one prompt and print generation statistics",
+        "Generates a continuation of --prompt with the checkpoint's heads (token-identical to the base's greedy "
+        "output) and prints it with the block efficiency; --compare adds a side-by-side table of plain greedy "
+        "generate(), plain BPD and this run with speed-ups and exactness checks. Drafting flags left out use the "
+        "checkpoint's generation_config.json.")
+    gen.add_argument("--model", default="smollm2-135m-instruct",
+                     help="heads checkpoint directory, or a base model (local dir, Hub id, packaged alias)")
+    gen.add_argument("--prompt", default=DEFAULT_PROMPT, help="the text to continue")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=128,
+                     help="tokens to generate (prompt + this must fit the base's positions)")
+    gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding (lossless)")
+    gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0; with --do-sample)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (with --do-sample)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens, 0: all (with "
+                                                          "--do-sample)")
+    gen.add_argument("--seed", type=int, default=0, help="random seed")
+    gen.add_argument("--threads", type=int, default=2, help="torch threads")
+    gen.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype")
+    gen.add_argument("--device", default="cpu", help=DEVICE_HELP)
+    gen.add_argument("--no-heads", action="store_true", help="plain decoding with the base model")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
+    gen.add_argument("--rescorer", choices=["none", *RESCORER_NAMES], default=None,
+                     help="draft refinement: a rescorer bundled with the checkpoint, or none (the heads' scores) "
+                          "(default: the checkpoint's)")
+    gen.add_argument("--num-drafts", type=int, default=None,
+                     help=f"p: drafts verified together per step, 1-{MAX_NUM_DRAFTS} (default: the checkpoint's)")
+    gen.add_argument("--draft-top-k", type=int, default=None,
+                     help=f"lattice width k (tokens per head), 1-{MAX_DRAFT_TOP_K} (default: the checkpoint's, else 1 "
+                          "for plain BPD and 16 when rescoring)")
+    gen.add_argument("--tree", default=None, metavar="WIDTHS",
+                     help="Medusa-style sparse tree, top-k widths per head, e.g. 4,2,2,1 (default: none)")
+    gen.add_argument("--num-heads-to-use", type=int, default=None,
+                     help="draft with only the first N heads (default: the checkpoint's)")
+    gen.add_argument("--prompt-lookup", action=argparse.BooleanOptionalAction, default=None,
+                     help="also draft prompt lookup's copy of the context and verify it with the heads' drafts "
+                          "(default: the checkpoint's)")
+    gen.add_argument("--draft-schedule", choices=["fixed", "cost"], default=None,
+                     help="fixed: verify every drafted token; cost: only those expected to pay for their verification "
+                          "(calibrated head confidences x this machine's forward costs) (default: the checkpoint's)")
+    gen.add_argument("--draft-nodes", type=int, default=None, metavar="N",
+                     help=f"verify N draft tokens per step, 1-{MAX_DRAFT_NODES}: the p-best paths and prompt lookup's "
+                          "copy compete for them, likeliest first (default: the checkpoint's)")
+    gen.add_argument("--heads-int8", action=argparse.BooleanOptionalAction, default=None,
+                     help="the heads step with int8 weights in a C++ kernel on CPU (a quarter of the bytes per step; "
+                          "only the drafts can change); --no-heads-int8: the heads' own fp32 weights (default: on "
+                          "with compiled verification on a CPU)")
+    gen.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                     help="verify with a torch.compile'd step on a static cache (first use compiles, ~1-2 min for "
+                          "SmolLM2 on a CPU; --compare then also times compiled plain decoding); --no-compile: eager "
+                          "(default: the checkpoint's)")
+    gen.add_argument("--tie-margin", type=float, default=None, metavar="M",
+                     help="greedy: tokens whose two best scores are closer than M x max(1, |best|) are decided by the "
+                          "base's own eager generate() (0: never; default: the checkpoint's, else 5e-5 for fp32)")
+    gen.add_argument("--compare", action="store_true",
+                     help="also run the base's plain generate() (and plain BPD) and print a side-by-side table")
+    gen.set_defaults(func=cmd_generate)

@@ -1,0 +1,87 @@
+"""What a heads checkpoint holds besides the heads: its config, the rescorers bundled with it (`rescorers/` +
+`config.json`'s `rescorers`) and an optional LoRA adapter merged into the base (`base_adapter`). Paths in config.json
+name files inside the checkpoint directory only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..configuration import BlockwiseParallelConfig
+from ..errors import CheckpointError
+from ..rescorers.registry import rescorer_class
+
+
+def inside(directory: Path, relative, field: str) -> Path:
+    """`directory / relative`, refusing paths that leave the checkpoint (absolute, `..`): config.json names files
+    inside its own directory only."""
+    if not isinstance(relative, str) or not relative:
+        raise CheckpointError(f"{directory / 'config.json'}: {field} must be a file name inside the checkpoint, got "
+                              f"{relative!r}: restore config.json")
+    if Path(relative).is_absolute() or ".." in Path(relative).parts:  # lexically: Hub snapshots hold symlinks
+        raise CheckpointError(f"{directory / 'config.json'}: {field}={relative!r} points outside the checkpoint "
+                              f"directory: restore config.json")
+    return directory / relative
+
+
+def load_heads_config(directory: Path) -> BlockwiseParallelConfig:
+    """The checkpoint's `config.json`, with a one-line error when it is missing or not a heads config."""
+    if not (directory / "config.json").exists():
+        raise CheckpointError(f"no config.json in {directory}: pass a directory written by "
+                              "BlockwiseParallelForCausalLM.save_pretrained")
+    try:
+        return BlockwiseParallelConfig.from_pretrained(directory)
+    except (OSError, ValueError, TypeError, KeyError) as err:  # invalid JSON, a tampered or foreign config
+        message = " ".join(str(err).split())[:300] or type(err).__name__
+        raise CheckpointError(f"{directory / 'config.json'} is not a valid heads config ({message}): restore "
+                              "it, or save the heads again with model.save_pretrained(dir)") from None
+
+
+def merge_base_adapter(base_model, adapter: Path):
+    """The base with the checkpoint's LoRA adapter merged in (peft), or a one-line error."""
+    from peft import PeftModel
+
+    from ..rescorers.neural import quiet_peft
+
+    try:
+        with quiet_peft():
+            return PeftModel.from_pretrained(base_model, adapter).merge_and_unload()
+    except Exception as err:  # noqa: BLE001 - peft / safetensors raise many kinds
+        raise CheckpointError(f"the base adapter {adapter} cannot be loaded ({type(err).__name__}: "
+                              f"{' '.join(str(err).split())[:200]}): restore it, or remove base_adapter "
+                              "from config.json") from None
+
+
+def bundle_fields(name: str, path: Path, fields: dict) -> dict:
+    """`fields` completed with what config.json records of a rescorer file: its sha256 (checked on every load) and,
+    for an n-gram, the vocabulary size it was built for."""
+    fields = dict(fields)
+    if path.is_file() and "sha256" not in fields:
+        from ..rescorers.kenlm import file_sha256
+
+        fields["sha256"] = file_sha256(path)
+    if name == "ngram" and "vocab_size" not in fields:
+        from ..rescorers.ngram import _read_info
+
+        if _read_info(path).get("vocab_size") is not None:
+            fields["vocab_size"] = int(_read_info(path)["vocab_size"])
+    return fields
+
+
+def attach_rescorer(model, name: str, path: Path, spec: dict) -> None:
+    """Load the rescorer `name` from `path` and attach it to `model` (`bundle_rescorer`, and `from_pretrained` for
+    the config's): `generate(rescorer=name)` uses it, `save_pretrained` copies its file into `rescorers/`."""
+    if not path.exists():
+        raise CheckpointError(f"bundled {name} rescorer {path} is missing: rebuild it or remove it from "
+                              "config.json's 'rescorers'")
+    alpha = spec.get("alpha", 1.0)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha >= 0:
+        raise CheckpointError(f"the bundled {name} rescorer's alpha must be a number >= 0, got {alpha!r}: fix "
+                              "config.json's 'rescorers' (hf-bpd tune-alpha --save writes it)")
+    spec = {**spec, "alpha": float(alpha)}
+    try:
+        model.bundled_rescorers[name] = rescorer_class(name).from_bundle(model.base_lm, path, **spec)
+    except TypeError as err:  # a field the rescorer does not take (a tampered or foreign config)
+        raise CheckpointError(f"config.json's 'rescorers.{name}' holds a field the {name} rescorer does not take "
+                              f"({err}): remove it") from None
+    model._bundle_sources[name] = path
+    model.config.rescorers[name] = {"path": f"rescorers/{path.name}", **spec}

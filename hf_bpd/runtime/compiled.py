@@ -1,0 +1,382 @@
+"""Compiled verification (`generate(..., compile=True)`): a `torch.compile`d step (inductor, `freezing` with
+prepacked weights, `max_autotune` CPU GEMM templates; measured in `../shared/MEASUREMENTS.md`) on a `StaticCache`
+that is created once per base model and reused by every call, so every step has one of a few fixed shapes: the block
+is padded to the drafting plan's largest block (the last token plus every node its drafts can have) and the attention
+mask is a 4D tensor over the whole static cache (one buffer per call, of which each step rewrites only the columns
+that changed). The cache holds the call's `max_length` plus one padded block, so the last step's padding stays inside
+it. One graph is compiled per block length, once per process. The prompt pass runs eagerly into the same static
+cache. Rejected tokens are rolled back by moving the accepted path's keys/values into place and resetting each
+layer's `cumulative_length` (a `StaticCache` writes at that counter, not at `cache_position`).
+
+`CompiledVerifier` has the interface of `hf_bpd.generation.verify.EagerVerifier`; the decoding loop picks one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+import torch._dynamo.config as dynamo_config
+import torch._inductor.config as inductor_config
+from torch import nn
+from transformers.cache_utils import StaticCache
+
+from ..kv_cache import CACHE_NAME
+from .attention import grouped_query_attention, uses_grouped_attention
+from .inlining import compiler_options
+from .int8_heads import int8_heads_step
+from .prefetch import prefetching_gemm_template
+from .quiet import quiet_compilation
+
+if TYPE_CHECKING:
+    from ..generation.tree import DraftTree
+
+# Static caches hold a multiple of this many tokens. The attention kernel reads every slot (masked), so a smaller
+# cache is a cheaper step: SmolLM2's 4-token step measured 20.6 ms on 1,024 slots and 18.0 ms on 512
+# (`benchmarks/block_profile.py`); each size compiles its own graphs, so an existing larger one is reused.
+CACHE_BUCKET = 512
+# A compiled chain with prompt lookup verifies this many draft nodes per step (a block of 8 tokens): inductor's CPU
+# GEMM template multiplies 8 rows at a time (register block 8 x 48), so with the micro-kernels in registers
+# (`hf_bpd.runtime.inlining`) a block of up to 8 tokens costs about what one token costs (SmolLM2, AVX-512: 17.0 /
+# 19.8 / 20.3 / 21.9 ms for 1 / 4 / 5 / 8 tokens, `benchmarks/block_profile.py`); 9 tokens start a second row tile.
+COMPILED_DRAFT_SLOTS = 7
+MAX_COMPILED_SHAPES = 64  # block lengths one runner may compile (dynamo's own limit is 8)
+MAX_TREE_PATTERNS = 4096  # tree shapes whose block masks one call keeps
+INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
+class _Patches(contextlib.ExitStack):
+    """The compile settings, applied around every call of a compiled step (see `CompiledRunner`): `INDUCTOR_OPTIONS`
+    and GCC told to inline the GEMM micro-kernels of every row count (`hf_bpd.runtime.inlining`), without autotune
+    tables on stderr (`hf_bpd.runtime.quiet`). dynamo compiles
+    at most `recompile_limit` (default 8) shapes per function and then silently runs it eagerly (measured: block
+    lengths 8..16 of `hf-bpd profile` ran uncompiled); each block length is one shape, so the limit is raised."""
+
+    def __enter__(self):
+        super().__enter__()
+        self.enter_context(inductor_config.patch({**INDUCTOR_OPTIONS, **compiler_options()}))
+        self.enter_context(dynamo_config.patch(recompile_limit=MAX_COMPILED_SHAPES))
+        self.enter_context(prefetching_gemm_template())
+        self.enter_context(quiet_compilation())
+        return self
+
+
+class _Step(nn.Module):
+    """The base's decoder and output layer as one module, the unit `torch.compile` freezes."""
+
+    def __init__(self, base, cache: StaticCache):
+        super().__init__()
+        self.base = base
+        self.cache = cache
+        softcap = getattr(base.config.get_text_config(), "final_logit_softcapping", None)
+        self.softcap = float(softcap) if softcap else None
+
+    def forward(self, input_ids, position_ids, cache_position, attention_mask):
+        hidden = self.base.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                         cache_position=cache_position, attention_mask=attention_mask,
+                                         **{CACHE_NAME: self.cache}, use_cache=True).last_hidden_state
+        logits = self.base.get_output_embeddings()(hidden)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits, hidden
+
+
+class _HeadsStep(nn.Module):
+    """Every drafting head on one hidden state, down to the top-k lattice: `(log-probabilities, draft-vocabulary
+    indices)`, `(num_heads, top_k)` each. Compiled like the verification step (frozen weights, CPU GEMM templates):
+    measured on SmolLM2's 4 heads, ~1.1 ms instead of ~4.4 ms eagerly for one drafting step. (Running the heads
+    inside the verification graph on every block position cost more: +5.5 ms per step.)"""
+
+    def __init__(self, heads, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.heads = nn.ModuleList(heads.heads)
+        self.sequential = heads.sequential
+        self.input_embeddings = heads._input_embeddings[0] if heads.sequential else None
+        self.head_projections = None
+        if heads.heads[0].projection is not None:
+            self.head_projections = nn.ModuleList(head.projection for head in heads.heads)
+        with torch.no_grad():  # the draft-vocabulary rows of the tied output layer, selected once
+            weight = heads._base_projection_weight().detach()
+            bias = heads._base_projection_bias()
+        self.register_buffer("projection", weight, persistent=False)
+        self.register_buffer("projection_bias", None if bias is None else bias.detach(), persistent=False)
+        self.register_buffer("draft_vocab", heads.draft_vocab, persistent=False)
+        self.softcap = heads.logit_softcapping
+
+    def project(self, states, index=None):
+        if self.head_projections is not None:
+            if index is not None:
+                return self.head_projections[index](states)
+            return torch.cat([proj(state[None]) for proj, state in zip(self.head_projections, states)])
+        return nn.functional.linear(states, self.projection, self.projection_bias)
+
+    def forward(self, hidden, token):
+        """`hidden (hidden_size,)`, `token ()` the base's next token (read by sequential heads only)."""
+        if self.sequential:  # each head reads the previous head's state and argmax token
+            state, rows = hidden[None], []
+            for index, head in enumerate(self.heads):
+                dtype = head.blocks[0].up.weight.dtype
+                state = head(state, self.input_embeddings(token.reshape(1)).to(dtype))
+                rows.append(self.project(state, index))
+                token = rows[-1][0].argmax(-1)
+                if self.draft_vocab is not None:
+                    token = self.draft_vocab[token]
+            logits = torch.cat(rows)
+        else:
+            states = torch.cat([head(hidden[None]) for head in self.heads])  # (heads, hidden)
+            logits = self.project(states)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        logits = logits.float()
+        top = logits.topk(self.top_k, dim=-1)
+        return top.values - logits.logsumexp(-1, keepdim=True), top.indices
+
+
+def head_top_k(top_k: int, draft_size: int) -> int:
+    """The lattice width the compiled heads step computes for a plan of width `top_k`: 16 or 64 (one graph serves
+    every plan up to it), at most the draft vocabulary."""
+    return min(16 if top_k <= 16 else 64, draft_size)
+
+
+class CompiledRunner:
+    """One base model's static cache and compiled steps, shared by every call: the verification step (one graph
+    per block length, `compiled_buckets`) and, per heads module and lattice width, the heads step
+    (`compiled_heads`)."""
+
+    def __init__(self, base, max_cache_len: int):
+        self.base = base
+        self.max_cache_len = max_cache_len
+        self.cache = StaticCache(config=base.config, max_cache_len=max_cache_len)
+        self.step = _Step(base, self.cache).eval()
+        # The inductor settings are applied with `config.patch` around every call (compilation happens lazily, in the
+        # first call per shape): passing them as `torch.compile(options=...)` did not enable the GEMM templates here
+        # (measured: 43 ms vs 21 ms per one-token SmolLM2 step), and setting them globally would change the
+        # user's own compiles.
+        # Not `guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe` (measured on an Intel Xeon: dynamo's
+        # check before each call 0.83 -> 0.10 ms per SmolLM2 step): dynamo caches graphs per code object, and
+        # without the modules' guards a second model's runner ran the first model's frozen graph (caught by
+        # tests/test_compiled.py in a full run).
+        self.compiled = torch.compile(self.step, dynamic=False)
+        # Grouped key/value heads are read in place, not copied per query head (`hf_bpd.runtime.attention`); the
+        # switch is on in every call of the compiled step (dynamo guards on the attention implementation's name).
+        self.grouped = uses_grouped_attention(base)
+        # The static cache allocates its tensors lazily, in its first update: do that now, eagerly, or the first
+        # compiled call traces the allocation (guard `is_initialized == False`) and the next one compiles again
+        # (measured: every first block length compiled twice, ~1 min each for SmolLM2).
+        with torch.no_grad():
+            device = base.device
+            one = torch.zeros(1, 1, dtype=torch.long, device=device)
+            with grouped_query_attention(base, self.grouped):
+                self.step(one, one, one[0], torch.zeros(1, 1, 1, max_cache_len, dtype=base.dtype, device=device))
+        self.heads_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # heads -> {top_k: compiled}
+        self.lock = threading.RLock()  # warm_up may run inside a caller that holds it
+        self.reset()
+        self.compiled_buckets: dict[int, float] = {}  # block length -> seconds its first call took (compilation)
+        self.bucket_ms: dict[int, float] = {}  # block length -> median ms of the step (timed after compiling)
+        self.compiled_heads: dict[tuple[int, int], float] = {}  # (id(heads), top_k) -> seconds compiling took
+
+    def run(self, input_ids, position_ids, cache_position, attention_mask):
+        q = input_ids.shape[1]
+        with grouped_query_attention(self.base, self.grouped):
+            if q in self.compiled_buckets:  # compiled: the settings only matter while compiling (~0.26 ms a patch)
+                return self.compiled(input_ids, position_ids, cache_position, attention_mask)
+            start = time.perf_counter()
+            with _Patches():
+                logits, hidden = self.compiled(input_ids, position_ids, cache_position, attention_mask)
+        self.compiled_buckets[q] = time.perf_counter() - start
+        return logits, hidden
+
+    def heads_step(self, heads, top_k: int, int8: bool | None = False):
+        """The compiled heads step for `heads` at lattice width `top_k`: `(hidden (hidden_size,), next token) ->
+        (values, indices)`; with `int8` (True, or None for "where it can"), the int8 kernel's step on CPU instead
+        (`int8_heads_step`)."""
+        if int8 is not False:
+            step = int8_heads_step(heads, top_k, warn=int8 is True)
+            if step is not None:
+                return step
+        by_width = self.heads_steps.setdefault(heads, {})
+        if top_k not in by_width:
+            compiled = torch.compile(_HeadsStep(heads, top_k).eval(), dynamic=False)
+            key = (id(heads), top_k)
+
+            done = []  # this step has compiled (its first call)
+
+            def run(hidden, token):
+                token = torch.as_tensor(token, dtype=torch.long, device=hidden.device)
+                if done:  # the settings only matter while compiling (see `run`)
+                    return compiled(hidden, token)
+                start = time.perf_counter()
+                with _Patches():
+                    out = compiled(hidden, token)
+                self.compiled_heads[key] = time.perf_counter() - start
+                done.append(True)
+                return out
+
+            by_width[top_k] = run
+        return by_width[top_k]
+
+    def warm_up(self, buckets, device, heads=None, top_k: int = 0, int8: bool | None = False) -> dict[int, float]:
+        """Compile the verification steps of `buckets` (block lengths), and the heads step when `heads` are given,
+        now (outside any timed region), and time each step; returns `{block length: seconds compiling took}`."""
+        with self.lock, torch.no_grad():
+            if heads is not None:  # heads_int8=True warns when unserved: once, when the decoding loop takes the step
+                self.heads_step(heads, top_k, None if int8 else int8)(torch.zeros(self.base.config.get_text_config().hidden_size,
+                                                          dtype=self.base.dtype, device=device), 0)
+            for b in buckets:
+                if b in self.compiled_buckets:
+                    continue
+                self.reset()
+                mask = torch.zeros(1, 1, b, self.max_cache_len, dtype=self.base.dtype, device=device)
+                positions = torch.arange(b, device=device)
+                tokens = torch.zeros(1, b, dtype=torch.long, device=device)
+                self.run(tokens, positions[None], positions, mask)
+                times = []
+                for _ in range(5):  # the step's cost, for draft_schedule="cost"
+                    start = time.perf_counter()
+                    self.run(tokens, positions[None], positions, mask)
+                    times.append(time.perf_counter() - start)
+                self.bucket_ms[b] = 1000 * sorted(times)[2]
+            self.reset()
+        return dict(self.compiled_buckets)
+
+    def set_length(self, length: int) -> None:
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.fill_(length)
+
+    def reset(self) -> None:
+        self.set_length(0)
+
+
+_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base model -> {max_cache_len: CompiledRunner}
+
+
+def compiled_runner(base, needed_length: int) -> CompiledRunner:
+    """The runner of `base` whose static cache holds `needed_length` tokens: the smallest one that exists (its
+    compiled steps are reused), else a new one (created, not compiled) rounded up to `CACHE_BUCKET` tokens."""
+    runners = _RUNNERS.setdefault(base, {})
+    fitting = [size for size in runners if size >= needed_length]
+    if fitting:
+        return runners[min(fitting)]
+    size = -(-needed_length // CACHE_BUCKET) * CACHE_BUCKET
+    runners[size] = CompiledRunner(base, size)
+    return runners[size]
+
+
+def discard_runners(base) -> None:
+    """Forget `base`'s runners and their compiled steps (after a failed compile: the next call starts afresh)."""
+    _RUNNERS.pop(base, None)
+
+
+def compile_unsupported_reason(base) -> str | None:
+    """Why the compiled verifier cannot serve `base` (None when it can)."""
+    text_config = base.config.get_text_config(decoder=True)
+    if any(t != "full_attention" for t in (getattr(text_config, "layer_types", None) or ["full_attention"])):
+        return "its sliding-window layers need a rolling cache"
+    if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True) \
+            and getattr(text_config, "layer_types", None) is None and "mistral" in text_config.model_type:
+        return "its sliding-window layers need a rolling cache"
+    try:
+        base.get_decoder(), base.get_output_embeddings()
+    except Exception:  # noqa: BLE001
+        return "it has no decoder / output layer to compile"
+    if getattr(base, "hf_quantizer", None) is not None:
+        return "quantized weights cannot be frozen"
+    return None
+
+
+class CompiledVerifier:
+    """Verification with `CompiledRunner`'s compiled steps on its static cache (see the module docstring)."""
+
+    def __init__(self, model, runner: CompiledRunner):
+        self.model, self.base, self.runner = model, model.base_lm, runner
+        self.cache = runner.cache
+        self.length = 0  # tokens in the cache
+        self.buckets = [1]  # the compiled block lengths this call uses; a block is padded to the next one
+        self._masks: dict[int, list] = {}  # block length -> [mask buffer, open columns, written columns]
+        self._patterns: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # tree shape -> (depths, block mask)
+        self._aranges: dict[int, torch.Tensor] = {}
+
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt pass, eager, writing into the static cache (the call holds the runner's lock from here on)."""
+        self.runner.reset()
+        with grouped_query_attention(self.base, self.runner.grouped):
+            out = self.model(input_ids=input_ids, **{CACHE_NAME: self.cache}, use_cache=True,
+                             return_head_logits=False, logits_to_keep=1)
+        self.length = input_ids.shape[1]
+        self.runner.set_length(self.length)
+        return out.logits[:, -1], out.last_hidden_state[0, -1]
+
+    def verify(self, last_token: int, tree: DraftTree, device) -> tuple[torch.Tensor, torch.Tensor]:
+        q = len(tree) + 1
+        b = next((x for x in self.buckets if x >= q), q)  # the smallest compiled shape that holds the block
+        past = self.length
+        tokens = torch.tensor([[last_token] + tree.tokens + [0] * (b - q)], dtype=torch.long, device=device)
+        depths, block = self._block_pattern(tree, b, device)
+        mask = self._mask(b, past, block, device)
+        logits, hidden = self.runner.run(tokens, (past + depths)[None], past + self._arange(b, device), mask)
+        return logits[0, :q], hidden[0, :q]
+
+    def _block_pattern(self, tree: DraftTree, b: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(depths (b,), additive mask (b, b))` of the block: each node sees the root and its ancestors; padding
+        rows see themselves only (no row may see nothing). Kept per tree shape (a call meets few)."""
+        key = (b, tuple(tree.parents))
+        pattern = self._patterns.get(key)
+        if pattern is None:
+            q = len(tree) + 1
+            depths = torch.arange(b, dtype=torch.long)
+            depths[:q] = tree.block_depths()
+            allowed = torch.eye(b, dtype=torch.bool)
+            allowed[:q, :q] = tree.ancestors_mask()
+            block = torch.zeros(b, b, dtype=self.base.dtype)
+            block.masked_fill_(~allowed, torch.finfo(self.base.dtype).min)
+            pattern = (depths.to(device), block.to(device))
+            if len(self._patterns) < MAX_TREE_PATTERNS:
+                self._patterns[key] = pattern
+        return pattern
+
+    def _arange(self, b: int, device) -> torch.Tensor:
+        if b not in self._aranges:
+            self._aranges[b] = torch.arange(b, device=device)
+        return self._aranges[b]
+
+    def _mask(self, b: int, past: int, block: torch.Tensor, device) -> torch.Tensor:
+        """The `(1, 1, b, max_cache_len)` additive mask over the static cache: the `past` cached tokens open to every
+        row, the block's own pattern after them, the rest closed. One buffer per block length, updated in place
+        from the last step's (only the columns that changed are written)."""
+        closed = torch.finfo(self.base.dtype).min
+        state = self._masks.get(b)
+        if state is None:
+            state = self._masks[b] = [torch.full((b, self.runner.max_cache_len), closed, dtype=self.base.dtype,
+                                                 device=device), 0, 0]
+        mask, opened, written = state  # columns [0, opened) are open; [opened, written) may hold an old block
+        if past > opened:
+            mask[:, opened:past] = 0.0
+        elif past < opened:
+            mask[:, past:opened] = closed
+        if written > past + b:
+            mask[:, past + b:written] = closed
+        mask[:, past:past + b] = block
+        state[1], state[2] = past, past + b
+        return mask[None, None]
+
+    def keep(self, block_length: int, kept: list[int]) -> None:
+        past = self.length
+        if kept != list(range(len(kept))):
+            source = torch.tensor(kept, device=self.cache.layers[0].keys.device) + past
+            target = past + torch.arange(len(kept), device=source.device)
+            for layer in self.cache.layers:
+                layer.keys.index_copy_(2, target, layer.keys.index_select(2, source))
+                layer.values.index_copy_(2, target, layer.values.index_select(2, source))
+        self.length = past + len(kept)
+        self.runner.set_length(self.length)
+
+    def close(self, length: int) -> object:
+        self.length = min(self.length, length - 1)
+        self.runner.set_length(self.length)
+        return None  # the static cache is the runner's, reused by the next call: it is not handed out

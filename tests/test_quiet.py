@@ -1,0 +1,44 @@
+"""Compiling is quiet: no inductor autotune tables or compiler warnings on stderr during `generate(compile=True)`,
+unless `HF_BPD_DEBUG=1` asks for them (`hf_bpd.runtime.quiet`)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from hf_bpd import BlockwiseParallelForCausalLM
+
+    torch.set_num_threads(1)
+    def run(hidden):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+        base = AutoModelForCausalLM.from_config(config).eval()
+        model = BlockwiseParallelForCausalLM.from_base(base, num_heads=2).eval()
+        ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(0))
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, compile=True)
+        assert torch.equal(out, base.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None))
+    run(32)
+    sys.stderr.write("=== debug\\n")
+    sys.stderr.flush()
+    os.environ["HF_BPD_DEBUG"] = "1"
+    run(48)  # other GEMM shapes: autotuned afresh
+""")
+
+
+def test_compiled_generate_prints_no_autotune_tables_unless_debugging(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "HF_BPD_DEBUG"}
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    quiet, _, debug = done.stderr.partition("=== debug\n")
+    assert "AUTOTUNE" not in quiet and "Autotune Choices" not in quiet, quiet[:2000]
+    assert "Warning" not in quiet, quiet[:2000]
+    assert "AUTOTUNE" in debug  # the switch is what silences them: with HF_BPD_DEBUG=1 they are back
