@@ -25,6 +25,7 @@ from .generation.decoding import blockwise_decoding, check_inputs, plan_call
 from .generation.stats import GenerationStats, finish_stats
 from .generation.stopping import stop_strings_as_criteria
 from .heads import CACHE_NAME, BlockwiseParallelOutput, DraftHeads, next_token_loss
+from .runtime.artifacts import preload as preload_artifact
 from .hub.bundled import attach_rescorer, bundle_fields, inside, load_heads_config, merge_base_adapter
 from .hub.base_models import check_causal_lm, check_fingerprint, fingerprint, load_base_model
 from .hub.checkpoints import load_heads_state, push_saved, resolve_checkpoint_dir, save_checkpoint
@@ -166,6 +167,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
             attach_rescorer(model, name, inside(directory, spec["path"], f"rescorers.{name}.path"),
                             {k: v for k, v in spec.items() if k != "path"})
         model.eval()
+        preload_artifact(model.base_lm, model.generation_config)  # a step `hf-bpd compile` built
         return model
 
     def bundle_rescorer(self, name: str, path: str | os.PathLike, alpha: float = 1.0, **fields) -> None:

@@ -3,7 +3,8 @@
 
 Subcommands: `generate` (one prompt, with statistics), `bench` (decoding methods side by side on a prompt file,
 `hf_bpd.evaluation.bench`), `analyze` (the paper's Section 6 analyses of block drafts, `hf_bpd.evaluation.analysis`),
-`build-ngram`, `tune-alpha`, `calibrate`, `profile`, `export` (heads to vLLM's Medusa format), `train`.
+`build-ngram`, `tune-alpha`, `calibrate`, `profile`, `compile` (the compiled step, built once per machine),
+`export` (heads to vLLM's Medusa format), `train`.
 
 Start-up imports nothing heavy: the parser, `--help` and the checks of flags, files and model names run before
 torch and transformers are imported (measured: `hf-bpd generate --help` 4.9 s -> 0.2 s), and every flag is checked
@@ -16,7 +17,7 @@ import argparse
 import os
 import sys
 
-from . import bench, generate, hub, tuning
+from . import artifacts, bench, generate, hub, tuning
 from . import train as train_command
 from .common import (BENCH_DEFAULT_METHODS, RESCORER_NAMES, _check_device, _debug_flag, _Formatter, _one_line,
                      _Parser, load_for_generation, load_model)
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         _debug_flag(p)
         return p
 
-    for module in (generate, bench, tuning, hub, train_command):  # the order of `hf-bpd --help`
+    for module in (generate, bench, tuning, artifacts, hub, train_command):  # the order of `hf-bpd --help`
         module.add_parsers(sub, command)
     return parser
 

@@ -14,6 +14,7 @@ layer's `cumulative_length` (a `StaticCache` writes at that counter, not at `cac
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import weakref
@@ -27,7 +28,7 @@ from transformers.cache_utils import StaticCache
 
 from ..kv_cache import CACHE_NAME
 from .attention import grouped_query_attention, uses_grouped_attention
-from .inlining import compiler_options
+from .inlining import INDUCTOR_OPTIONS, compiler_options
 from .int8_heads import int8_heads_step
 from .prefetch import prefetching_gemm_template
 from .quiet import quiet_compilation
@@ -46,7 +47,6 @@ CACHE_BUCKET = 512
 COMPILED_DRAFT_SLOTS = 7
 MAX_COMPILED_SHAPES = 64  # block lengths one runner may compile (dynamo's own limit is 8)
 MAX_TREE_PATTERNS = 4096  # tree shapes whose block masks one call keeps
-INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
 class _Patches(contextlib.ExitStack):
@@ -161,7 +161,7 @@ class CompiledRunner:
         # check before each call 0.83 -> 0.10 ms per SmolLM2 step): dynamo caches graphs per code object, and
         # without the modules' guards a second model's runner ran the first model's frozen graph (caught by
         # tests/test_compiled.py in a full run).
-        self.compiled = torch.compile(self.step, dynamic=False)
+        self._compiled = None  # `torch.compile(self.step)`, made on first use (importing inductor takes ~1.3 s)
         # Grouped key/value heads are read in place, not copied per query head (`hf_bpd.runtime.attention`); the
         # switch is on in every call of the compiled step (dynamo guards on the attention implementation's name).
         self.grouped = uses_grouped_attention(base)
@@ -179,6 +179,12 @@ class CompiledRunner:
         self.compiled_buckets: dict[int, float] = {}  # block length -> seconds its first call took (compilation)
         self.bucket_ms: dict[int, float] = {}  # block length -> median ms of the step (timed after compiling)
         self.compiled_heads: dict[tuple[int, int], float] = {}  # (id(heads), top_k) -> seconds compiling took
+
+    @property
+    def compiled(self):
+        if self._compiled is None:
+            self._compiled = torch.compile(self.step, dynamic=False)
+        return self._compiled
 
     def run(self, input_ids, position_ids, cache_position, attention_mask):
         q = input_ids.shape[1]
@@ -253,6 +259,29 @@ class CompiledRunner:
         self.set_length(0)
 
 
+class ArtifactRunner(CompiledRunner):
+    """A runner whose verification step is a prebuilt artifact (`hf_bpd.runtime.artifacts`), loaded, not compiled:
+    it serves blocks of 1 to `artifacts.MAX_BLOCK` tokens over the used part of the cache (longer blocks take the
+    `torch.compile` path of `CompiledRunner`)."""
+
+    def __init__(self, base, max_cache_len: int, artifact):
+        super().__init__(base, max_cache_len)
+        self.artifact = artifact
+        self.kv = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
+
+    def run(self, input_ids, position_ids, cache_position, attention_mask):
+        from .artifacts import MAX_BLOCK
+
+        q = input_ids.shape[1]
+        if q > MAX_BLOCK:
+            return super().run(input_ids, position_ids, cache_position, attention_mask)
+        attended = int(cache_position[-1]) + 1  # the cached tokens and this block; the slots after it are not read
+        mask = attention_mask[..., :attended].contiguous()
+        logits, hidden = self.artifact(input_ids, position_ids, mask, cache_position[0], self.kv)
+        self.compiled_buckets.setdefault(q, 0.0)  # nothing compiled in this process
+        return logits, hidden
+
+
 _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base model -> {max_cache_len: CompiledRunner}
 
 
@@ -264,13 +293,21 @@ def compiled_runner(base, needed_length: int) -> CompiledRunner:
     if fitting:
         return runners[min(fitting)]
     size = -(-needed_length // CACHE_BUCKET) * CACHE_BUCKET
-    runners[size] = CompiledRunner(base, size)
+    artifact = None
+    if os.environ.get("HF_BPD_ARTIFACTS", "1") != "0":  # a step built by `hf-bpd compile`, if any
+        from . import artifacts
+
+        artifact = artifacts.load(base)
+    runners[size] = ArtifactRunner(base, size, artifact) if artifact is not None else CompiledRunner(base, size)
     return runners[size]
 
 
 def discard_runners(base) -> None:
     """Forget `base`'s runners and their compiled steps (after a failed compile: the next call starts afresh)."""
     _RUNNERS.pop(base, None)
+    from . import artifacts
+
+    artifacts.forget(base)
 
 
 def compile_unsupported_reason(base) -> str | None:

@@ -29,6 +29,10 @@ import subprocess
 
 logger = logging.getLogger(__name__)
 
+# The inductor settings of hf_bpd's compiled steps (`torch.compile`d and ahead-of-time artifacts alike): frozen,
+# prepacked weights and the CPU GEMM templates.
+INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
 # GCC's inlining limits, raised so that `kernel<rows, 48>` of every row count (1..8) is inlined, and its complete
 # peeling limits, raised so that the 6..8-row kernels' accumulators (18..24 vectors) also end in registers.
 INLINE_FLAGS = ("--param", "max-inline-insns-single=2000", "--param", "large-stack-frame-growth=100000",

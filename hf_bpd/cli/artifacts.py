@@ -1,0 +1,64 @@
+"""`hf-bpd compile`: build a checkpoint's compiled verification step for this machine once
+(`hf_bpd.runtime.artifacts`), so every later process loads it in seconds; `--list` and `--clear` manage the cache."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from .common import _locate, _positive, load_model
+
+
+def cmd_compile(args) -> int:
+    from ..runtime import artifacts
+
+    if args.clear:
+        print(f"removed {artifacts.clear()} artifact(s) from {artifacts.artifacts_dir()}")
+        return 0
+    if args.list:
+        found = artifacts.listing()
+        if not found:
+            print(f"no artifacts in {artifacts.artifacts_dir()}")
+        for record in found:
+            if record.get("broken"):
+                print(f"{record['path']}: unreadable key.json (rebuilt on next use)")
+                continue
+            print(f"{record['path']}: {record['dtype']}, {record['cpu']}, {record['threads']} threads, torch "
+                  f"{record['torch']}, weights {record['weights']}, {record['bytes'] / 1e6:.0f} MB, built in "
+                  f"{record['build_seconds']:.0f} s")
+        return 0
+    if args.model is None:
+        raise ValueError("hf-bpd compile needs a model: hf-bpd compile CHECKPOINT (or --list / --clear)")
+    _positive(args, "threads")
+    _locate(args.model)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    model = load_model(args.model, args.dtype)
+    base = getattr(model, "base_lm", model).eval()
+    reason = artifacts.unsupported_reason(base)
+    if reason is not None:
+        raise ValueError(f"cannot build an artifact for {args.model}: {reason}")
+    path = artifacts.build(base, args.threads, log=lambda m: print(f"hf-bpd: {m}", file=sys.stderr))
+    print(f"{path} ready ({time.perf_counter() - start:.0f} s); generate(compile=True) with {args.threads} threads "
+          "loads it")
+    return 0
+
+
+def add_parsers(sub, command) -> None:
+    """The `compile` subcommand's parser."""
+    from .common import DTYPES
+
+    p = command(
+        "compile", "build the compiled verification step for this machine once (loaded by every later process)",
+        "Exports the base's verification step and compiles it ahead of time (AOTInductor) into "
+        "$HF_BPD_CACHE/artifacts/: one artifact serves every block length up to 16 and every context length. "
+        "Valid for this CPU, thread count, dtype, weights and torch version; generate(compile=True) loads it in "
+        "seconds instead of compiling. --list shows the cache, --clear empties it.")
+    p.add_argument("model", nargs="?", default=None, help="heads checkpoint directory or base model")
+    p.add_argument("--threads", type=int, default=2, help="torch threads the artifact is built for (baked in)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype")
+    p.add_argument("--list", action="store_true", help="list the built artifacts")
+    p.add_argument("--clear", action="store_true", help="remove every built artifact")
+    p.set_defaults(func=cmd_compile)

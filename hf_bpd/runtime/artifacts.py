@@ -1,0 +1,263 @@
+"""Compiled verification steps that outlive the process: built once per machine, loaded in seconds.
+
+`torch.compile`'s caches cannot hold a frozen graph (AOTAutograd refuses to cache one), so every new process traced,
+froze and autotuned the verification step again (~2-4 min for SmolLM2 on 2 cores). Here the step is exported once
+(`torch.export`) and compiled ahead of time with AOTInductor (`aoti_compile_and_package`, the same inductor options:
+freezing, the CPP GEMM templates, the GCC inlining options and the GEMM prefetch) into one package file, which every
+later process loads with `aoti_load_package` (~2 s) and runs at once.
+
+One artifact serves every block length from 1 to `MAX_BLOCK` and every context length: the block length `Q`, the KV
+cache's capacity `S` and the attended length `L` are dynamic dimensions. The KV tensors are inputs, written in place
+by the step (so the cache stays the caller's: rollback and growth are plain tensor operations), and the attention
+reads the first `L` cache slots only, the ones the `(1, 1, Q, L)` mask covers. A context that outgrows its cache
+gets a bigger cache, never a new compilation.
+
+An artifact is valid for what it was built from, all in its key: the base's weights (a fingerprint of every tensor),
+dtype and config, the torch / transformers / hf_bpd versions, the CPU's instruction set and the thread count (baked
+into inductor's GEMM code). It lives in `$HF_BPD_CACHE/artifacts/<key>/` beside `key.json` (with the package's
+sha256, checked on every load: a corrupt or stale file is rebuilt, not run); builds write to a temporary file,
+renamed into place, under a file lock, so two processes never build the same one at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import time
+import weakref
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.cache_utils import StaticCache
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..kv_cache import CACHE_NAME
+
+FORMAT = 1  # bump when the exported step changes
+MAX_BLOCK = 16  # block lengths one artifact serves (1..MAX_BLOCK)
+MAX_CONTEXT = 32768
+PACKAGE = "step.pt2"
+ATTENTION_NAME = "hf_bpd_attended_sdpa"
+
+
+def attended_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                          is_causal=None, **kwargs):
+    """SDPA over the first `L` cache slots, `L` = the mask's last dimension; grouped key/value heads read in place."""
+    attended = attention_mask.shape[-1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key[:, :, :attended], value[:, :, :attended], attn_mask=attention_mask, scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION_NAME, attended_sdpa_forward)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def artifacts_dir() -> Path:
+    from ..hub.locate import cache_dir
+
+    return cache_dir() / "artifacts"
+
+
+def unsupported_reason(base) -> str | None:
+    """Why an artifact cannot serve `base` (None when it can)."""
+    if base.device.type != "cpu":
+        return "artifacts are built for CPU bases"
+    if getattr(base.config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return f"attention implementation {base.config._attn_implementation!r}"
+    if not hasattr(torch._inductor, "aoti_compile_and_package"):
+        return f"torch {torch.__version__} has no AOTInductor packaging"
+    return None
+
+
+def artifact_key(base, threads: int | None = None) -> dict:
+    """Everything an artifact's validity depends on (see the module docstring)."""
+    import transformers
+
+    from .. import __version__
+    from ..hub.base_models import fingerprint
+
+    config = base.config.to_json_string(use_diff=False)
+    return {"format": FORMAT, "weights": fingerprint(base, samples_per_tensor=4096), "dtype": str(base.dtype),
+            "config": hashlib.sha256(config.encode()).hexdigest()[:16], "torch": torch.__version__,
+            "transformers": transformers.__version__, "hf_bpd": __version__,
+            "cpu": torch.backends.cpu.get_cpu_capability(), "threads": threads or torch.get_num_threads(),
+            "max_block": MAX_BLOCK}
+
+
+def key_dir(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return artifacts_dir() / digest
+
+
+class _Step(nn.Module):
+    """The exported unit: the base's decoder and output layer over a block, the KV tensors as inputs."""
+
+    def __init__(self, base, cache: StaticCache):
+        super().__init__()
+        self.base, self.cache = base, cache
+
+    def forward(self, input_ids, position_ids, attention_mask, length, kv):
+        for i, layer in enumerate(self.cache.layers):
+            layer.keys, layer.values = kv[2 * i], kv[2 * i + 1]
+            layer.device = layer.keys.device
+            layer.cumulative_length = length.clone()  # this block's keys/values go to [length, length + Q)
+            layer.is_initialized = True
+        hidden = self.base.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                         attention_mask=attention_mask, **{CACHE_NAME: self.cache},
+                                         use_cache=True).last_hidden_state
+        return self.base.get_output_embeddings()(hidden), hidden
+
+
+@contextlib.contextmanager
+def _attended_attention(base):
+    config = base.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def _example(base, capacity: int = 64, block: int = 4, past: int = 8):
+    text = base.config.get_text_config(decoder=True)
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    cache = StaticCache(config=base.config, max_cache_len=capacity)
+    kv = [torch.zeros(1, heads, capacity, head_dim, dtype=base.dtype) for _ in range(2 * len(cache.layers))]
+    closed = torch.finfo(base.dtype).min
+    mask = torch.zeros(1, 1, block, past + block, dtype=base.dtype)
+    mask[0, 0, :, past:] = torch.triu(torch.full((block, block), closed, dtype=base.dtype), 1)
+    ids = torch.zeros(1, block, dtype=torch.long)
+    return cache, (ids, (past + torch.arange(block))[None], mask, torch.tensor(past), kv)
+
+
+def export_step(base):
+    """`torch.export` of the step with dynamic block length, cache capacity and attended length."""
+    cache, args = _example(base)
+    block = torch.export.Dim("block", min=1, max=MAX_BLOCK)
+    attended = torch.export.Dim("attended", min=2, max=MAX_CONTEXT)
+    capacity = torch.export.Dim("capacity", min=16, max=MAX_CONTEXT)
+    shapes = {"input_ids": {1: block}, "position_ids": {1: block}, "attention_mask": {2: block, 3: attended},
+              "length": None, "kv": [{2: capacity}] * len(args[-1])}
+    with torch.no_grad(), _attended_attention(base):
+        return torch.export.export(_Step(base, cache).eval(), args, dynamic_shapes=shapes, strict=False)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def build(base, threads: int | None = None, log=None) -> Path:
+    """Build the artifact of `base` for this machine (unless a valid one exists): `$HF_BPD_CACHE/artifacts/<key>/`.
+    Holds a file lock while building; returns the package path."""
+    from .inlining import INDUCTOR_OPTIONS, compiler_options
+    from .prefetch import prefetching_gemm_template
+    from .quiet import quiet_compilation
+
+    import fcntl  # POSIX file locks (Linux, macOS)
+
+    key = artifact_key(base, threads)
+    directory = key_dir(key)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second builder waits here, then finds the artifact built
+        if valid(directory, key):
+            return directory / PACKAGE
+        start = time.perf_counter()
+        if log:
+            log(f"building the compiled step for this machine ({key['cpu']}, {key['threads']} threads) ...")
+        exported = export_step(base)
+        options = {**INDUCTOR_OPTIONS, **compiler_options(), "cpp.threads": key["threads"]}
+        partial = directory / f".partial-{os.getpid()}-{PACKAGE}"
+        with torch.no_grad(), prefetching_gemm_template(), quiet_compilation(), \
+                torch._inductor.config.patch(compiler_options()):
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(partial), inductor_configs=options)
+        record = {**key, "sha256": _sha256(partial), "bytes": partial.stat().st_size,
+                  "build_seconds": round(time.perf_counter() - start, 1)}
+        os.replace(partial, directory / PACKAGE)
+        tmp = directory / f".key.json.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
+        os.replace(tmp, directory / "key.json")
+        if log:
+            log(f"built in {record['build_seconds']:.0f} s: {directory / PACKAGE} ({record['bytes'] / 1e6:.0f} MB)")
+        return directory / PACKAGE
+
+
+def valid(directory: Path, key: dict) -> bool:
+    """Whether `directory` holds an intact artifact of `key` (its recorded key and the package's sha256)."""
+    try:
+        record = json.loads((directory / "key.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if {k: record.get(k) for k in key} != key or not (directory / PACKAGE).is_file():
+        return False
+    return record.get("sha256") == _sha256(directory / PACKAGE)
+
+
+class Artifact:
+    """A loaded artifact: `(logits, hidden) = artifact(input_ids, position_ids, attention_mask, length, kv)`."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.model = torch._inductor.aoti_load_package(str(path))
+
+    def __call__(self, input_ids, position_ids, attention_mask, length, kv):
+        return self.model(input_ids, position_ids, attention_mask, length, kv)
+
+
+_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> Artifact (None: none on disk)
+
+
+def load(base, threads: int | None = None) -> Artifact | None:
+    """The artifact of `base` for this machine if one is built and intact (loaded once per process), else None."""
+    if base in _LOADED:
+        return _LOADED[base]
+    artifact = None
+    if unsupported_reason(base) is None:
+        key = artifact_key(base, threads)
+        directory = key_dir(key)
+        if valid(directory, key):
+            artifact = Artifact(directory / PACKAGE)
+    _LOADED[base] = artifact
+    return artifact
+
+
+def preload(base, generation_config=None) -> None:
+    """Load `base`'s artifact now (at `from_pretrained`) when its generation config compiles and one is built, so the
+    first `generate()` runs at full speed; nothing when none is built (`HF_BPD_ARTIFACTS=0`: never)."""
+    if getattr(generation_config, "compile", False) and os.environ.get("HF_BPD_ARTIFACTS", "1") != "0":
+        load(base)
+
+
+def forget(base) -> None:
+    _LOADED.pop(base, None)
+
+
+def listing() -> list[dict]:
+    """Every artifact in the cache: its key record and directory."""
+    found = []
+    for key_file in sorted(artifacts_dir().glob("*/key.json")):
+        try:
+            found.append({**json.loads(key_file.read_text()), "path": str(key_file.parent)})
+        except (OSError, ValueError):
+            found.append({"path": str(key_file.parent), "broken": True})
+    return found
+
+
+def clear() -> int:
+    """Remove every artifact; returns how many there were."""
+    count = len(list(artifacts_dir().glob("*/")))
+    shutil.rmtree(artifacts_dir(), ignore_errors=True)
+    return count

@@ -1,0 +1,198 @@
+"""Compiled steps that outlive the process (`hf_bpd.runtime.artifacts`, `hf-bpd compile`): built once (one AOTInductor
+build of a tiny base, ~1 min, shared by the module), loaded by a new process, exact, keyed, checked and locked."""
+
+import fcntl
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from hf_bpd import BlockwiseParallelForCausalLM
+from hf_bpd.runtime import artifacts
+from hf_bpd.runtime.compiled import ArtifactRunner, _RUNNERS
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def tiny_base(seed: int = 0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """`(cache directory, base, package path)`: one artifact, built with 1 thread into a fresh $HF_BPD_CACHE."""
+    cache = tmp_path_factory.mktemp("hf_bpd_cache")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("HF_BPD_CACHE", str(cache))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    base = tiny_base()
+    path = artifacts.build(base)
+    yield cache, base, path
+    torch.set_num_threads(threads)
+    patch.undo()
+
+
+def example(capacity: int, block: int, past: int):
+    closed = torch.finfo(torch.float32).min
+    g = torch.Generator().manual_seed(capacity + block + past)
+    kv = [torch.randn(1, 2, capacity, 8, generator=g) for _ in range(4)]
+    mask = torch.zeros(1, 1, block, past + block)
+    mask[0, 0, :, past:] = torch.triu(torch.full((block, block), closed), 1)
+    ids = torch.randint(0, 96, (1, block), generator=g)
+    return ids, (past + torch.arange(block))[None], mask, torch.tensor(past), kv
+
+
+def test_one_artifact_serves_every_block_and_context_length_and_writes_the_cache(built):
+    _, base, path = built
+    artifact = artifacts.Artifact(path)
+    for capacity, block, past in ((64, 1, 5), (64, 8, 40), (512, 3, 300), (1024, 16, 1000)):
+        ids, positions, mask, length, kv = example(capacity, block, past)
+        before = [t.clone() for t in kv]
+        logits, hidden = artifact(ids, positions, mask, length, kv)
+        assert logits.shape == (1, block, 96) and hidden.shape == (1, block, 32)
+        # the keys/values of this block were written in place at [past, past + block), nothing else
+        for new, old in zip(kv, before):
+            assert not torch.equal(new[:, :, past:past + block], old[:, :, past:past + block])
+            assert torch.equal(new[:, :, :past], old[:, :, :past]) and torch.equal(new[:, :, past + block:],
+                                                                                     old[:, :, past + block:])
+        # the same step eagerly, over the whole cache with the unused slots masked: the same tokens
+        cache, _ = artifacts._example(base, capacity=capacity)
+        eager_kv = [t.clone() for t in before]
+        full = torch.full((1, 1, block, capacity), torch.finfo(torch.float32).min)
+        full[..., :past + block] = mask
+        with torch.no_grad():
+            eager_logits, _ = artifacts._Step(base, cache)(ids, positions, full, length, eager_kv)
+        assert torch.allclose(logits, eager_logits, atol=1e-4)
+        assert torch.equal(logits.argmax(-1), eager_logits.argmax(-1))
+
+
+def test_a_new_process_loads_the_artifact_and_decodes_exactly_without_compiling(built):
+    cache, base, path = built
+    inputs = example(64, 4, 20)
+    reference = artifacts.Artifact(path)(*inputs)[0]
+    torch.save({"state": base.state_dict(), "inputs": inputs, "logits": reference}, cache / "job.pt")
+    script = textwrap.dedent(f"""
+        import json, sys, time, torch
+        sys.path.insert(0, {str(ROOT)!r})
+        torch.set_num_threads(1)
+        from tests.test_artifacts import tiny_base
+        from hf_bpd import BlockwiseParallelForCausalLM
+        from hf_bpd.runtime import artifacts
+        job = torch.load({str(cache / "job.pt")!r})
+        base = tiny_base()
+        base.load_state_dict(job["state"])
+        start = time.perf_counter()
+        artifact = artifacts.load(base)
+        seconds = time.perf_counter() - start
+        logits = artifact(*job["inputs"])[0]
+        model = BlockwiseParallelForCausalLM.from_base(base, num_heads=2).eval()
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.heads.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        exact = []
+        for seed in range(3):
+            ids = torch.randint(3, 96, (1, 4 + 3 * seed), generator=torch.Generator().manual_seed(seed))
+            kw = dict(max_new_tokens=30, do_sample=False, eos_token_id=None)
+            exact.append(torch.equal(model.generate(ids, compile=True, **kw), base.generate(ids, **kw)))
+        from hf_bpd.runtime.compiled import _RUNNERS
+        print(json.dumps({{"same_logits": torch.equal(logits, job["logits"]), "load_seconds": seconds,
+                          "exact": exact, "compile_seconds": model.last_generation_stats.compile_seconds,
+                          "runners": [type(r).__name__ for r in _RUNNERS[base].values()]}}))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "HF_BPD_CACHE": str(cache)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["same_logits"] and result["exact"] == [True, True, True]
+    assert result["runners"] == ["ArtifactRunner"] and result["compile_seconds"] == 0.0
+    assert result["load_seconds"] < 30
+
+
+def test_the_key_names_what_the_artifact_depends_on(built):
+    _, base, _ = built
+    key = artifacts.artifact_key(base, 1)
+    assert artifacts.key_dir(key) != artifacts.key_dir(artifacts.artifact_key(base, 2))  # threads
+    assert artifacts.key_dir(key) != artifacts.key_dir(artifacts.artifact_key(tiny_base(seed=1), 1))  # weights
+    assert key["cpu"] == torch.backends.cpu.get_cpu_capability() and key["torch"] == torch.__version__
+    # another thread count has no artifact: compile=True falls back to compiling in the process
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert artifacts.load(tiny_base()) is None
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_corrupt_artifact_is_not_loaded(built, tmp_path, monkeypatch):
+    """(`build` then builds it again: it keeps a package only when `valid`, the check used here.)"""
+    cache, base, path = built
+    copy = tmp_path / "artifacts"
+    import shutil
+
+    shutil.copytree(cache / "artifacts", copy)
+    monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path))
+    key = artifacts.artifact_key(base, 1)
+    directory = artifacts.key_dir(key)
+    assert artifacts.valid(directory, key)
+    data = bytearray((directory / artifacts.PACKAGE).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (directory / artifacts.PACKAGE).write_bytes(bytes(data))
+    assert not artifacts.valid(directory, key)
+    assert artifacts.load(tiny_base()) is None  # a base this process has not looked up yet
+    (directory / "key.json").write_text("{")  # a damaged key too
+    assert not artifacts.valid(directory, key) and artifacts.listing()[0]["broken"]
+
+
+def test_a_second_builder_waits_for_the_first_and_builds_nothing(built, tmp_path, monkeypatch):
+    cache, base, _ = built
+    monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path))
+    key = artifacts.artifact_key(base, 1)
+    directory = artifacts.key_dir(key)
+    directory.mkdir(parents=True)
+    result = []
+    with open(directory / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a first builder at work
+        waiter = threading.Thread(target=lambda: result.append(artifacts.build(base)))
+        waiter.start()
+        waiter.join(timeout=2)
+        assert waiter.is_alive()  # blocked on the lock
+        source = cache / "artifacts" / directory.name
+        for name in (artifacts.PACKAGE, "key.json"):  # the first builder finishes
+            (directory / name).write_bytes((source / name).read_bytes())
+    waiter.join(timeout=60)
+    assert result == [directory / artifacts.PACKAGE]
+    assert json.loads((directory / "key.json").read_text()) == json.loads((source / "key.json").read_text())
+
+
+def test_compile_command_lists_and_clears(built, capsys):
+    from hf_bpd.cli import main
+
+    assert main(["compile", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert "1 threads" in listed and "MB" in listed
+    assert main(["compile"]) == 2  # no model: one line
+    assert "needs a model" in capsys.readouterr().err
+
+
+def test_generate_uses_a_built_artifact_in_this_process(built):
+    _, base, _ = built
+    model = BlockwiseParallelForCausalLM.from_base(base, num_heads=2).eval()
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(5))
+    for new in (20, 700):  # a 512-slot cache, then a 1,024-slot one: the same artifact, nothing compiled
+        kw = dict(max_new_tokens=new, do_sample=False, eos_token_id=None)
+        assert torch.equal(model.generate(ids, compile=True, **kw), base.generate(ids, **kw))
+        assert model.last_generation_stats.compile_seconds == 0.0
+    assert sorted(_RUNNERS[base]) == [512, 1024]
+    assert all(isinstance(r, ArtifactRunner) for r in _RUNNERS[base].values())
