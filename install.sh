@@ -54,3 +54,10 @@ echo "KenLM ready: $KENLM_DIR/build/bin" >&2
 # The int8 heads step's C++ kernel (hf_bpd.runtime.int8_heads), built for this CPU; generate() would build it on
 # first use otherwise (and fall back to the fp32 heads step, with a warning, if it cannot).
 $PY -c 'from hf_bpd.runtime.int8_heads import build_kernel; build_kernel()'
+# The shipped checkpoint's compiled verification step, built once for this machine (hf_bpd.runtime.artifacts): every
+# later process loads it in seconds instead of compiling (~2 min here, skipped when already built;
+# HF_BPD_SKIP_COMPILE=1 skips it, generate() then compiles in its first process).
+if [ "${HF_BPD_SKIP_COMPILE:-0}" != 1 ]; then
+    hf-bpd compile checkpoints/smollm2-135m-instruct-bpd --threads 2 ||
+        echo "hf_bpd: the compiled step was not built (generate(compile=True) compiles in-process instead)" >&2
+fi
