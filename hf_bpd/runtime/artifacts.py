@@ -21,7 +21,6 @@ renamed into place, under a file lock, so two processes never build the same one
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -37,6 +36,7 @@ from transformers.cache_utils import StaticCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..kv_cache import CACHE_NAME
+from .attention import attention_implementation
 
 FORMAT = 1  # bump when the exported step changes
 MAX_BLOCK = 16  # block lengths one artifact serves (1..MAX_BLOCK)
@@ -115,17 +115,6 @@ class _Step(nn.Module):
         return self.base.get_output_embeddings()(hidden), hidden
 
 
-@contextlib.contextmanager
-def _attended_attention(base):
-    config = base.config
-    previous = config._attn_implementation
-    config._attn_implementation = ATTENTION_NAME
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
-
-
 def _example(base, capacity: int = 64, block: int = 4, past: int = 8):
     text = base.config.get_text_config(decoder=True)
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -147,7 +136,7 @@ def export_step(base):
     capacity = torch.export.Dim("capacity", min=16, max=MAX_CONTEXT)
     shapes = {"input_ids": {1: block}, "position_ids": {1: block}, "attention_mask": {2: block, 3: attended},
               "length": None, "kv": [{2: capacity}] * len(args[-1])}
-    with torch.no_grad(), _attended_attention(base):
+    with torch.no_grad(), attention_implementation(base, ATTENTION_NAME):
         return torch.export.export(_Step(base, cache).eval(), args, dynamic_shapes=shapes, strict=False)
 
 

@@ -58,16 +58,24 @@ def uses_grouped_attention(base) -> bool:
 
 
 @contextlib.contextmanager
+def attention_implementation(base, name: str):
+    """Run `base` on the registered attention implementation `name` inside the block; the one it had is restored on
+    exit (the config's own attribute, not `set_attn_implementation`: this happens twice per step)."""
+    config = base.config
+    previous = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+@contextlib.contextmanager
 def grouped_query_attention(base, enabled: bool = True):
     """Run `base` on `grouped_sdpa_forward` inside the block (when `enabled`, which callers compute once with
     `uses_grouped_attention`); its attention implementation is restored on exit."""
     if not enabled:
         yield
         return
-    config = base.config
-    previous = config._attn_implementation
-    config._attn_implementation = ATTENTION_NAME
-    try:
+    with attention_implementation(base, ATTENTION_NAME):
         yield
-    finally:
-        config._attn_implementation = previous
