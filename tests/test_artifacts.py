@@ -194,5 +194,6 @@ def test_generate_uses_a_built_artifact_in_this_process(built):
         kw = dict(max_new_tokens=new, do_sample=False, eos_token_id=None)
         assert torch.equal(model.generate(ids, compile=True, **kw), base.generate(ids, **kw))
         assert model.last_generation_stats.compile_seconds == 0.0
+        assert model.last_generation_stats.verifier == "artifact"
     assert sorted(_RUNNERS[base]) == [512, 1024]
     assert all(isinstance(r, ArtifactRunner) for r in _RUNNERS[base].values())

@@ -38,6 +38,7 @@ def test_compiled_decoding_equals_the_base_greedy_output(model, options):
         stats = model.last_generation_stats
         assert stats.new_tokens == got.shape[1] - ids.shape[1]
         assert stats.method == ("plain-compiled" if options.get("use_heads") is False else stats.method)
+        assert stats.verifier == "compiled" and stats.as_dict()["verifier"] == "compiled"
         if "draft_nodes" in options:  # the paths and the copy share the compiled block of 4 the chain uses
             assert max(stats.draft_tokens) <= 3 and stats.method == "p-best+lookup/3 nodes"
     # the steps compiled once: later calls pay nothing

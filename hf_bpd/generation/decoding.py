@@ -253,6 +253,7 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
                 plan.stats.compile_seconds = sum(runner.compiled_buckets.values()) + \
                     sum(runner.compiled_heads.values()) - before
                 verifier.buckets = buckets
+                plan.stats.verifier = runner.kind
                 if heads is not None:
                     drafter.head_top = runner.heads_step(heads, top_k, int8=plan.heads_int8)
         except Exception as err:  # noqa: BLE001 - a failing compiler must not break generation

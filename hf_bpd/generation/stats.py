@@ -25,6 +25,9 @@ class GenerationStats:
     total_seconds: float = 0.0
     method: str = "chain"
     compile_seconds: float = 0.0  # compiling the verification step in this call (0 once compiled)
+    # What ran the verification forwards: "artifact" (a step built once per machine, `hf-bpd compile`), "compiled"
+    # (`torch.compile` in this process) or "eager".
+    verifier: str = "eager"
     # Greedy near-ties (`hf_bpd.generation.near_ties`): positions the base's eager generate() decided, how many of
     # them it decided differently from the verification pass, and the seconds it took.
     tie_checks: int = 0
@@ -68,6 +71,7 @@ class GenerationStats:
             "verify_seconds": self.verify_seconds,
             "total_seconds": self.total_seconds,
             "compile_seconds": self.compile_seconds,
+            "verifier": self.verifier,
             "tie_checks": self.tie_checks,
             "tie_changes": self.tie_changes,
             "tie_seconds": self.tie_seconds,

@@ -148,6 +148,8 @@ class CompiledRunner:
     per block length, `compiled_buckets`) and, per heads module and lattice width, the heads step
     (`compiled_heads`)."""
 
+    kind = "compiled"  # what `GenerationStats.verifier` reports
+
     def __init__(self, base, max_cache_len: int):
         self.base = base
         self.max_cache_len = max_cache_len
@@ -263,6 +265,8 @@ class ArtifactRunner(CompiledRunner):
     """A runner whose verification step is a prebuilt artifact (`hf_bpd.runtime.artifacts`), loaded, not compiled:
     it serves blocks of 1 to `artifacts.MAX_BLOCK` tokens over the used part of the cache (longer blocks take the
     `torch.compile` path of `CompiledRunner`)."""
+
+    kind = "artifact"
 
     def __init__(self, base, max_cache_len: int, artifact):
         super().__init__(base, max_cache_len)
