@@ -6,7 +6,6 @@ same process (timed after it). With an artifact built by `hf-bpd compile`, nothi
 """
 
 import argparse
-import json
 import time
 
 START = time.perf_counter()
@@ -14,7 +13,7 @@ START = time.perf_counter()
 import torch  # noqa: E402
 
 from hf_bpd import BlockwiseParallelForCausalLM, load_tokenizer  # noqa: E402
-from hf_bpd.evaluation.bench import machine_info, machine_line  # noqa: E402
+from hf_bpd.evaluation.bench import machine_info, print_figures  # noqa: E402
 
 
 def main() -> None:
@@ -48,11 +47,7 @@ def main() -> None:
               "speedup_vs_eager": round(eager / first * new / (plain.shape[1] - inputs["input_ids"].shape[1]), 2),
               "compile_seconds": stats.compile_seconds, "block_efficiency": round(stats.block_efficiency, 2),
               "identical": torch.equal(out, plain), "machine": machine_info()}
-    print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1))
-    print(machine_line(result["machine"]))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=1)
+    print_figures(result, args.output)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from hf_bpd import BlockwiseParallelForCausalLM, load_tokenizer
-from hf_bpd.evaluation.bench import load_questions, machine_info, machine_line
+from hf_bpd.evaluation.bench import load_questions, machine_info, print_figures
 
 
 class Clock(BaseStreamer):
@@ -82,11 +82,7 @@ def main() -> None:
               "longest_gap_s": max(r[m]["longest_gap_s"] for r in rows for m in methods),
               "compile_seconds": sum(r[m]["compile_seconds"] for r in rows for m in methods),
               "identical": sum(r["identical"] for r in rows), "rows": rows, "machine": machine_info()}
-    print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "machine")}, indent=1))
-    print(machine_line(result["machine"]))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=1)
+    print_figures(result, args.output)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: F401 - the remote copy's CACHE_NAME
 from transformers.utils import ModelOutput
 
 from .configuration import BlockwiseParallelConfig

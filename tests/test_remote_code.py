@@ -223,9 +223,9 @@ def test_remote_files_are_self_contained_and_share_the_heads_code():
     assert all("hf_bpd" not in line for text in files.values() for line in text.splitlines()
                if line.lstrip().startswith(("import ", "from ")))
     heads = HEADS_SOURCE.read_text().replace("from .configuration import", "from .configuration_bpd import")
-    cache_name = next(line for line in (HEADS_SOURCE.parent / "kv_cache.py").read_text().splitlines()
-                      if line.startswith("CACHE_NAME = "))  # hf_bpd/kv_cache.py's definition, inlined
-    heads = heads.replace("from .kv_cache import CACHE_NAME  # noqa: F401 - re-exported", cache_name)
+    kv_cache = [line for line in (HEADS_SOURCE.parent / "kv_cache.py").read_text().splitlines()
+                if line.startswith(("from transformers", "CACHE_NAME = "))]  # hf_bpd/kv_cache.py's code, inlined
+    heads = heads.replace("from .kv_cache import CACHE_NAME  # noqa: F401 - re-exported", "\n".join(kv_cache))
     assert files["heads_bpd.py"].split("\n", 1)[1] == heads
     config = hf_bpd.BlockwiseParallelConfig(num_heads=2, base_model_name_or_path="smollm2-135m-instruct")
     assert remote_config_fields(config) == {"auto_map": AUTO_MAP,

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: F401 - the remote copy's CACHE_NAME
 from transformers.utils import ModelOutput
 
 from .configuration_bpd import BlockwiseParallelConfig
+from transformers.modeling_outputs import CausalLMOutputWithPast
 CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 

@@ -341,6 +341,15 @@ def markdown_report(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def print_figures(result: dict, output=None, details=("rows",)) -> None:
+    """A benchmark script's summary: `result` as JSON on stdout (without its `machine` and `details` entries), the
+    machine line, and the whole of it written to `output` when given."""
+    print(json.dumps({k: v for k, v in result.items() if k not in ("machine", *details)}, indent=1))
+    print(machine_line(result["machine"]))
+    if output:
+        Path(output).write_text(json.dumps(result, indent=1))
+
+
 def machine_line(machine: dict) -> str:
     """`Machine: AMD EPYC (AVX512), 2 threads, torch 2.13.0+cpu, transformers 5.24.0`."""
     return (f"Machine: {machine.get('cpu')} ({machine.get('cpu_capability', '?')}), {machine.get('threads')} threads, "

@@ -19,7 +19,8 @@ from transformers.cache_utils import DynamicCache
 
 from ..kv_cache import CACHE_NAME
 from ..runtime.attention import grouped_query_attention, uses_grouped_attention
-from ..runtime.compiled import CompiledVerifier, compile_unsupported_reason, compiled_runner
+from ..runtime.compiled import CompiledVerifier, compiled_runner
+from ..runtime.step import compile_unsupported_reason
 from .tree import DraftTree, keep_accepted, tree_attention_masks
 
 

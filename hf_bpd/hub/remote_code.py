@@ -60,11 +60,11 @@ def heads_source() -> str:
     if text.count(_CACHE_IMPORT + "\n") != 1:
         raise CheckpointError(f"{HEADS_SOURCE} no longer imports `{_CACHE_IMPORT}`: update "
                               "hf_bpd.hub.remote_code.heads_source")
-    # The cache name's definition is inlined (the checkpoint has no kv_cache module); its own import, once.
-    definition = [line for line in KV_CACHE_SOURCE.read_text(encoding="utf-8").splitlines()
-                  if line.startswith("CACHE_NAME = ")]
+    # The cache name is inlined (the checkpoint has no kv_cache module): kv_cache.py's code, its import included.
+    code = [line for line in KV_CACHE_SOURCE.read_text(encoding="utf-8").splitlines()
+            if line.startswith(("from ", "import ", "CACHE_NAME = "))]
     text = text.replace(_HEADS_IMPORT + "\n", "from .configuration_bpd import BlockwiseParallelConfig\n")
-    text = text.replace(_CACHE_IMPORT + "\n", "\n".join(definition) + "\n")
+    text = text.replace(_CACHE_IMPORT + "\n", "\n".join(code) + "\n")
     return "# Copied from hf_bpd/heads.py by hf_bpd.hub.remote_code.write_remote_code: edit that file.\n" + text
 
 

@@ -30,15 +30,14 @@ import weakref
 from pathlib import Path
 
 import torch
-from torch import nn
 from transformers import AttentionInterface
 from transformers.cache_utils import StaticCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..kv_cache import CACHE_NAME
 from .attention import attention_implementation
+from .step import VerificationStep, compile_unsupported_reason
 
-FORMAT = 1  # bump when the exported step changes
+FORMAT = 2  # bump when the exported step changes
 MAX_BLOCK = 16  # block lengths one artifact serves (1..MAX_BLOCK)
 MAX_CONTEXT = 32768
 PACKAGE = "step.pt2"
@@ -67,6 +66,9 @@ def artifacts_dir() -> Path:
 
 def unsupported_reason(base) -> str | None:
     """Why an artifact cannot serve `base` (None when it can)."""
+    reason = compile_unsupported_reason(base)
+    if reason is not None:
+        return reason
     if base.device.type != "cpu":
         return "artifacts are built for CPU bases"
     if getattr(base.config, "_attn_implementation", None) not in ("sdpa", "eager"):
@@ -96,12 +98,8 @@ def key_dir(key: dict) -> Path:
     return artifacts_dir() / digest
 
 
-class _Step(nn.Module):
-    """The exported unit: the base's decoder and output layer over a block, the KV tensors as inputs."""
-
-    def __init__(self, base, cache: StaticCache):
-        super().__init__()
-        self.base, self.cache = base, cache
+class _Step(VerificationStep):
+    """The exported unit: `VerificationStep` with the KV tensors as inputs, this block written at `length`."""
 
     def forward(self, input_ids, position_ids, attention_mask, length, kv):
         for i, layer in enumerate(self.cache.layers):
@@ -109,10 +107,8 @@ class _Step(nn.Module):
             layer.device = layer.keys.device
             layer.cumulative_length = length.clone()  # this block's keys/values go to [length, length + Q)
             layer.is_initialized = True
-        hidden = self.base.get_decoder()(input_ids=input_ids, position_ids=position_ids,
-                                         attention_mask=attention_mask, **{CACHE_NAME: self.cache},
-                                         use_cache=True).last_hidden_state
-        return self.base.get_output_embeddings()(hidden), hidden
+        cache_position = length + torch.arange(input_ids.shape[1], device=input_ids.device)
+        return super().forward(input_ids, position_ids, cache_position, attention_mask)
 
 
 def _example(base, capacity: int = 64, block: int = 4, past: int = 8):

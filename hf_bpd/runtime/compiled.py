@@ -32,6 +32,7 @@ from .inlining import INDUCTOR_OPTIONS, compiler_options
 from .int8_heads import int8_heads_step
 from .prefetch import prefetching_gemm_template
 from .quiet import quiet_compilation
+from .step import VerificationStep
 
 if TYPE_CHECKING:
     from ..generation.tree import DraftTree
@@ -63,26 +64,6 @@ class _Patches(contextlib.ExitStack):
         self.enter_context(prefetching_gemm_template())
         self.enter_context(quiet_compilation())
         return self
-
-
-class _Step(nn.Module):
-    """The base's decoder and output layer as one module, the unit `torch.compile` freezes."""
-
-    def __init__(self, base, cache: StaticCache):
-        super().__init__()
-        self.base = base
-        self.cache = cache
-        softcap = getattr(base.config.get_text_config(), "final_logit_softcapping", None)
-        self.softcap = float(softcap) if softcap else None
-
-    def forward(self, input_ids, position_ids, cache_position, attention_mask):
-        hidden = self.base.get_decoder()(input_ids=input_ids, position_ids=position_ids,
-                                         cache_position=cache_position, attention_mask=attention_mask,
-                                         **{CACHE_NAME: self.cache}, use_cache=True).last_hidden_state
-        logits = self.base.get_output_embeddings()(hidden)
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits, hidden
 
 
 class _HeadsStep(nn.Module):
@@ -154,7 +135,7 @@ class CompiledRunner:
         self.base = base
         self.max_cache_len = max_cache_len
         self.cache = StaticCache(config=base.config, max_cache_len=max_cache_len)
-        self.step = _Step(base, self.cache).eval()
+        self.step = VerificationStep(base, self.cache).eval()
         # The inductor settings are applied with `config.patch` around every call (compilation happens lazily, in the
         # first call per shape): passing them as `torch.compile(options=...)` did not enable the GEMM templates here
         # (measured: 43 ms vs 21 ms per one-token SmolLM2 step), and setting them globally would change the
@@ -269,15 +250,15 @@ class ArtifactRunner(CompiledRunner):
     kind = "artifact"
 
     def __init__(self, base, max_cache_len: int, artifact):
+        from .artifacts import MAX_BLOCK
+
         super().__init__(base, max_cache_len)
-        self.artifact = artifact
+        self.artifact, self.max_block = artifact, MAX_BLOCK
         self.kv = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
 
     def run(self, input_ids, position_ids, cache_position, attention_mask):
-        from .artifacts import MAX_BLOCK
-
         q = input_ids.shape[1]
-        if q > MAX_BLOCK:
+        if q > self.max_block:
             return super().run(input_ids, position_ids, cache_position, attention_mask)
         attended = int(cache_position[-1]) + 1  # the cached tokens and this block; the slots after it are not read
         mask = attention_mask[..., :attended].contiguous()
@@ -312,23 +293,6 @@ def discard_runners(base) -> None:
     from . import artifacts
 
     artifacts.forget(base)
-
-
-def compile_unsupported_reason(base) -> str | None:
-    """Why the compiled verifier cannot serve `base` (None when it can)."""
-    text_config = base.config.get_text_config(decoder=True)
-    if any(t != "full_attention" for t in (getattr(text_config, "layer_types", None) or ["full_attention"])):
-        return "its sliding-window layers need a rolling cache"
-    if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True) \
-            and getattr(text_config, "layer_types", None) is None and "mistral" in text_config.model_type:
-        return "its sliding-window layers need a rolling cache"
-    try:
-        base.get_decoder(), base.get_output_embeddings()
-    except Exception:  # noqa: BLE001
-        return "it has no decoder / output layer to compile"
-    if getattr(base, "hf_quantizer", None) is not None:
-        return "quantized weights cannot be frozen"
-    return None
 
 
 class CompiledVerifier:
