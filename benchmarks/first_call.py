@@ -1,8 +1,11 @@
 """The first call of a new process: `from_pretrained` + the first `generate()` (the checkpoint's defaults, compiled),
 timed from the start of the process, against the base's plain eager greedy `generate()` of the same prompt in the
-same process (timed after it). With an artifact built by `hf-bpd compile`, nothing is compiled in the process.
+same process (timed after it). With an artifact built by `hf-bpd compile`, nothing is compiled in the process; without
+one (a cold machine: empty `$HF_BPD_CACHE` and inductor cache) the call verifies eagerly while a worker process builds
+it (`hf_bpd.runtime.background`), and `verifier` says so.
 
     python benchmarks/first_call.py --model checkpoints/smollm2-135m-instruct-bpd --max-new-tokens 64
+    HF_BPD_CACHE=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python benchmarks/first_call.py   # cold
 """
 
 import argparse
@@ -25,6 +28,9 @@ def main() -> None:
     parser.add_argument("--output", default=None, help="write the figures as JSON")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from hf_bpd.runtime.artifacts import listing
+
+    built_before = len(listing())
     model = BlockwiseParallelForCausalLM.from_pretrained(args.model)
     tokenizer = load_tokenizer(args.model)
     loaded = time.perf_counter() - START
@@ -45,7 +51,8 @@ def main() -> None:
               "first_call_tokens_per_s": round(new / first, 1),
               "eager_tokens_per_s": round((plain.shape[1] - inputs["input_ids"].shape[1]) / eager, 1),
               "speedup_vs_eager": round(eager / first * new / (plain.shape[1] - inputs["input_ids"].shape[1]), 2),
-              "compile_seconds": stats.compile_seconds, "block_efficiency": round(stats.block_efficiency, 2),
+              "compile_seconds": stats.compile_seconds, "verifier": stats.verifier,
+              "verifier_steps": stats.verifier_steps, "artifacts_before": built_before, "block_efficiency": round(stats.block_efficiency, 2),
               "identical": torch.equal(out, plain), "machine": machine_info()}
     print_figures(result, args.output)
 

@@ -49,6 +49,14 @@ def tiny_smollm2_vocab_base(tokenizer):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+@pytest.fixture(autouse=True)
+def no_artifacts_unless_marked(request, monkeypatch):
+    """`generate(compile=True)` on a CPU would build each tiny base's artifact in a background process
+    (`hf_bpd.runtime.background`); tests not marked `artifacts` compile in-process instead (`HF_BPD_ARTIFACTS=0`)."""
+    if request.node.get_closest_marker("artifacts") is None:
+        monkeypatch.setenv("HF_BPD_ARTIFACTS", "0")
+
+
 @pytest.fixture(params=ARCHS)
 def arch(request):
     return request.param

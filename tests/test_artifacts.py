@@ -18,7 +18,7 @@ from hf_bpd.runtime import artifacts
 from hf_bpd.runtime.compiled import ArtifactRunner, _RUNNERS
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.artifacts]
 
 
 def tiny_base(seed: int = 0):
@@ -195,5 +195,5 @@ def test_generate_uses_a_built_artifact_in_this_process(built):
         assert torch.equal(model.generate(ids, compile=True, **kw), base.generate(ids, **kw))
         assert model.last_generation_stats.compile_seconds == 0.0
         assert model.last_generation_stats.verifier == "artifact"
-    assert sorted(_RUNNERS[base]) == [512, 1024]
+    assert sorted(_RUNNERS[base]) == [("artifact", 512), ("artifact", 1024)]
     assert all(isinstance(r, ArtifactRunner) for r in _RUNNERS[base].values())

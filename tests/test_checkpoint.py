@@ -63,6 +63,7 @@ def test_shipped_checkpoint_tree_with_ngram_is_exact(shipped):
         assert torch.equal(got, want)
 
 
+@pytest.mark.artifacts  # the step install.sh built for this machine
 def test_shipped_checkpoint_default_generate_is_exact(shipped):
     """What a user gets: the checkpoint's generation_config.json (compiled verification, 4 heads, the 8 best n-gram
     paths and prompt lookup's copy competing for the 7 draft nodes of a compiled block of 8), token for token against

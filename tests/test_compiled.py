@@ -113,7 +113,7 @@ def test_a_failing_compiler_falls_back_to_eager(monkeypatch, one_thread):
         warnings.simplefilter("always")
         got = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, compile=True)
     assert torch.equal(got, model.base_lm.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None))
-    assert any("torch.compile failed" in str(w.message) for w in caught)
+    assert any("compiling failed" in str(w.message) for w in caught)
     assert model.base_lm not in verify_runtime._RUNNERS
 
 

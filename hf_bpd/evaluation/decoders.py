@@ -161,6 +161,8 @@ def decode_bpd(model, inputs: dict, max_new_tokens: int, tree_widths: Sequence[i
             options["num_drafts"] = math.prod(widths)
         else:
             options["tree"] = widths
+    if options.get("compile", getattr(model.generation_config, "compile", False)) is True:
+        options["compile"] = "wait"  # a benchmark times the compiled step, not eager verification while it builds
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **options)
     return out, model.last_generation_stats
 

@@ -12,7 +12,7 @@
 | `prompt_lookup` | `False` | also draft the context's continuation of its last n-gram (prompt lookup) and verify it with the heads' drafts in the same pass (`hf_bpd.generation.lookup`) |
 | `heads_int8` | `None` | the heads step with int8 weights (one fp32 scale per row) in a C++ kernel on CPU, a quarter of the bytes each drafted step reads (`hf_bpd.runtime.int8_heads`); only the drafts can change, the output stays the base's. None: on with `compile=True` on a CPU, else off; True: also eagerly; False: never |
 | `draft_schedule` | `"fixed"` | `"fixed"`: verify every drafted token; `"cost"`: per step, verify only the drafted tokens expected to pay for their verification cost (calibrated head confidences x the machine's measured forward costs; `hf_bpd.generation.budget`) |
-| `compile` | `False` | verify with a `torch.compile`d step on a reused static cache (`hf_bpd.generation.verify`); with `use_heads=False` too, for compiled plain decoding |
+| `compile` | `False` | verify with a compiled step on a reused static cache (`hf_bpd.generation.verify`); with `use_heads=False` too, for compiled plain decoding. On a CPU the step is an artifact built once per machine (`hf-bpd compile`); a call never waits for it: while it is missing it is built in the background and the call verifies eagerly. `"wait"`: build it in the call if need be (benchmarks). Elsewhere (GPUs, `HF_BPD_ARTIFACTS=0`) `torch.compile` compiles in the first calls |
 | `tie_margin` | `None` | greedy: a decoded token whose two best scores are closer than this × max(1, |best|) is decided by the base's own eager `generate()` (`hf_bpd.generation.near_ties`); None: 5e-5 for fp32 bases, 0 (never) for half precision |
 
 Set them once (`model.generation_config.rescorer = "ngram"`, saved with the checkpoint) or per call
@@ -71,7 +71,7 @@ class DraftingOptions:
     model's generation config were merged (in that order). `explicit` names the ones set per call."""
 
     use_heads: bool = True
-    compile: bool = False
+    compile: bool | str = False
     tie_margin: float | None = None
     rescorer: object = None
     draft_top_k: int | None = None
@@ -144,8 +144,9 @@ def validate_drafting_values(values: dict, where: str = "") -> dict:
     every message (e.g. the file the values came from)."""
     out = dict(values)
     for name in ("use_heads", "compile", "prompt_lookup"):
-        if name in out and not isinstance(out[name], bool):
-            raise BPDTypeError(f"{where}{name} must be True or False, got {out[name]!r}: pass {name}=True or "
+        if name in out and not isinstance(out[name], bool) and not (name == "compile" and out[name] == "wait"):
+            also = " (or compile='wait')" if name == "compile" else ""
+            raise BPDTypeError(f"{where}{name} must be True or False{also}, got {out[name]!r}: pass {name}=True or "
                                f"{name}=False")
     if out.get("heads_int8") is not None and not isinstance(out["heads_int8"], bool):
         raise BPDTypeError(f"{where}heads_int8 must be True, False or None, got {out['heads_int8']!r}: pass "

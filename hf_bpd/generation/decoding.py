@@ -51,7 +51,8 @@ class DecodingPlan:
     drafter: BlockDrafter
     stats: GenerationStats
     streamer: BaseStreamer | None = None
-    compile: bool = False  # verify with the compiled step on a static cache (`hf_bpd.runtime.compiled`)
+    compile: bool | str = False  # verify with the compiled step on a static cache (`hf_bpd.runtime.compiled`);
+    # "wait": build / compile it in the call if need be (else eager verification while it builds in the background)
     schedule: str = "fixed"  # "cost": verify only the drafted tokens that pay (`hf_bpd.generation.budget`)
     tie_margin: float | None = None  # greedy near-ties decided by the base's eager generate() (`near_ties`)
     heads_int8: bool | None = None  # the heads step with int8 weights on CPU (`int8_heads`; None: when compiled)
@@ -243,21 +244,26 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
                 drafter.slots = max(COMPILED_DRAFT_SLOTS, drafter.num_heads)  # the chain and the copy share
             largest = drafter.max_block_length()
             # the last step's block is padded to `largest` tokens past the sequence's end: the cache holds them too
+            wait = plan.compile == "wait"
+            start = time.perf_counter()
             verifier, runner = compiled_verifier(model, generation_config.max_length + largest,
-                                                 model_kwargs.get("attention_mask")) or (None, None)
+                                                 model_kwargs.get("attention_mask"), wait) or (None, None)
+            built = time.perf_counter() - start if wait else 0.0  # an artifact built in this call
             if runner is not None:
                 buckets = sorted({1, largest} if plan.schedule == "cost" else {largest})
                 top_k = head_top_k(drafter.top_k, model.config.draft_size) if heads is not None else 0
                 before = sum(runner.compiled_buckets.values()) + sum(runner.compiled_heads.values())
-                runner.warm_up(buckets, input_ids.device, heads, top_k, int8=plan.heads_int8)
-                plan.stats.compile_seconds = sum(runner.compiled_buckets.values()) + \
+                runner.warm_up(buckets, input_ids.device, heads, top_k, int8=plan.heads_int8,
+                               blocking=wait or runner.kind == "compiled")
+                plan.stats.compile_seconds = built + sum(runner.compiled_buckets.values()) + \
                     sum(runner.compiled_heads.values()) - before
                 verifier.buckets = buckets
                 plan.stats.verifier = runner.kind
                 if heads is not None:
-                    drafter.head_top = runner.heads_step(heads, top_k, int8=plan.heads_int8)
+                    drafter.head_top = runner.heads_step(heads, top_k, int8=plan.heads_int8,
+                                                         blocking=wait or runner.kind == "compiled")
         except Exception as err:  # noqa: BLE001 - a failing compiler must not break generation
-            warnings.warn(f"hf_bpd: torch.compile failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
+            warnings.warn(f"hf_bpd: compiling failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
                           "decoding eagerly", stacklevel=3)
             discard_runners(model.base_lm)
             verifier, runner = None, None
@@ -323,6 +329,7 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
         stats.draft_seconds += time.perf_counter() - start
 
         block_logits, block_hidden = verifier.verify(int(sequence[0, -1]), tree, sequence.device)
+        stats.verifier_steps[verifier.kind] = stats.verifier_steps.get(verifier.kind, 0) + 1
         block_logits = block_logits.float()
 
         # Walk down the tree while the base's own choice is a child of the current node.

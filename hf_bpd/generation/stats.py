@@ -24,10 +24,14 @@ class GenerationStats:
     draft_seconds: float = 0.0
     total_seconds: float = 0.0
     method: str = "chain"
-    compile_seconds: float = 0.0  # compiling the verification step in this call (0 once compiled)
+    # Seconds this call waited for compilation: 0 with `compile=True` once an artifact is built (while one is being
+    # built in the background the call verifies eagerly); with `compile="wait"`, building / compiling in the call.
+    compile_seconds: float = 0.0
     # What ran the verification forwards: "artifact" (a step built once per machine, `hf-bpd compile`), "compiled"
-    # (`torch.compile` in this process) or "eager".
+    # (`torch.compile` in this process) or "eager"; `verifier_steps` counts the steps each ran (an artifact serves
+    # blocks of up to 16 tokens: a longer block runs eagerly on the same cache unless `compile="wait"`).
     verifier: str = "eager"
+    verifier_steps: dict[str, int] = field(default_factory=dict)
     # Greedy near-ties (`hf_bpd.generation.near_ties`): positions the base's eager generate() decided, how many of
     # them it decided differently from the verification pass, and the seconds it took.
     tie_checks: int = 0
@@ -72,6 +76,7 @@ class GenerationStats:
             "total_seconds": self.total_seconds,
             "compile_seconds": self.compile_seconds,
             "verifier": self.verifier,
+            "verifier_steps": dict(self.verifier_steps),
             "tie_checks": self.tie_checks,
             "tie_changes": self.tie_changes,
             "tie_seconds": self.tie_seconds,

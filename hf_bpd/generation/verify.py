@@ -4,7 +4,9 @@ Two verifiers share one interface (`prefill`, `verify`, `keep`, `close`), so the
 
 * `EagerVerifier` (here) runs the base as it is, on the `DynamicCache` transformers prepared for the call.
 * `CompiledVerifier` (`hf_bpd.runtime.compiled`, `generate(..., compile=True)`) runs a compiled step on a reused
-  static cache; `compiled_verifier` below decides whether it can serve a call.
+  static cache: the base's artifact for this machine (`hf_bpd.runtime.artifacts`), else `torch.compile`;
+  `compiled_verifier` below decides whether it can serve a call (while an artifact is being built in the
+  background, calls verify eagerly).
 
 If compiling fails, or the base cannot use it (sliding-window layers, a non-decoder layout), generation falls back to
 the eager verifier with a one-line warning.
@@ -19,13 +21,16 @@ from transformers.cache_utils import DynamicCache
 
 from ..kv_cache import CACHE_NAME
 from ..runtime.attention import grouped_query_attention, uses_grouped_attention
-from ..runtime.compiled import CompiledVerifier, compiled_runner
+from ..runtime import artifacts, background
+from ..runtime.compiled import ArtifactRunner, CompiledVerifier, compiled_runner
 from ..runtime.step import compile_unsupported_reason
 from .tree import DraftTree, keep_accepted, tree_attention_masks
 
 
 class EagerVerifier:
     """Verification with the base as it is, on a `DynamicCache`."""
+
+    kind = "eager"
 
     def __init__(self, model, cache, attention_mask=None):
         self.model, self.base = model, model.base_lm
@@ -71,14 +76,32 @@ class EagerVerifier:
         return self.cache
 
 
-def compiled_verifier(model, needed_length: int, attention_mask=None):
-    """`(CompiledVerifier, runner)` for one call, or `None` (with a one-line warning) when the compiled step cannot
-    serve this base or call; the caller then verifies eagerly."""
-    reason = compile_unsupported_reason(model.base_lm)
+def compiled_verifier(model, needed_length: int, attention_mask=None, wait: bool = False):
+    """`(CompiledVerifier, runner)` for one call, or `None` when the call verifies eagerly: with a one-line warning
+    when the compiled step cannot serve this base or call, silently while the base's artifact is being built in the
+    background (`hf_bpd.runtime.background`, which announces the build once). With `wait`, a missing artifact is
+    built here first; bases that artifacts cannot serve (and `HF_BPD_ARTIFACTS=0`) compile with `torch.compile`."""
+    base = model.base_lm
+    reason = compile_unsupported_reason(base)
     if reason is None and attention_mask is not None:
         reason = "an attention mask was given"
     if reason is not None:
         warnings.warn(f"hf_bpd: compile=True is not used for this call ({reason}); decoding eagerly", stacklevel=4)
         return None
-    runner = compiled_runner(model.base_lm, needed_length)
+    artifact = None
+    if background.enabled() and artifacts.unsupported_reason(base) is None:
+        if wait:
+            artifact = artifacts.load(base, again=True)
+            if artifact is None:
+                artifacts.build(base, log=lambda line: background.logger.warning("hf_bpd: %s", line))
+                artifact = artifacts.load(base, again=True)
+                if artifact is None:
+                    raise RuntimeError("the artifact just built did not load")
+        else:
+            artifact = background.ready_artifact(base)
+            if artifact is None:
+                return None
+    runner = compiled_runner(base, needed_length, artifact)
+    if isinstance(runner, ArtifactRunner):
+        runner.blocking = wait
     return CompiledVerifier(model, runner), runner

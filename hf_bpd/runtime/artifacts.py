@@ -41,6 +41,8 @@ FORMAT = 2  # bump when the exported step changes
 MAX_BLOCK = 16  # block lengths one artifact serves (1..MAX_BLOCK)
 MAX_CONTEXT = 32768
 PACKAGE = "step.pt2"
+LOCK = "build.lock"  # held by whoever builds the artifact
+FAILED = "build.failed"  # the last build's error (a background build is not started again while it is there)
 ATTENTION_NAME = "hf_bpd_attended_sdpa"
 
 
@@ -78,6 +80,9 @@ def unsupported_reason(base) -> str | None:
     return None
 
 
+_PROVENANCE = ("architectures", "_name_or_path", "name_or_path", "transformers_version", "_commit_hash")
+
+
 def artifact_key(base, threads: int | None = None) -> dict:
     """Everything an artifact's validity depends on (see the module docstring)."""
     import transformers
@@ -85,7 +90,9 @@ def artifact_key(base, threads: int | None = None) -> dict:
     from .. import __version__
     from ..hub.base_models import fingerprint
 
-    config = base.config.to_json_string(use_diff=False)
+    # the config's values, without the fields that only record where it came from (`save_pretrained` sets some)
+    config = {k: v for k, v in base.config.to_dict().items() if k not in _PROVENANCE}
+    config = json.dumps(config, sort_keys=True, default=str)
     return {"format": FORMAT, "weights": fingerprint(base, samples_per_tensor=4096), "dtype": str(base.dtype),
             "config": hashlib.sha256(config.encode()).hexdigest()[:16], "torch": torch.__version__,
             "transformers": transformers.__version__, "hf_bpd": __version__,
@@ -144,22 +151,28 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def build(base, threads: int | None = None, log=None) -> Path:
+def build(base, threads: int | None = None, log=None, key: dict | None = None) -> Path:
     """Build the artifact of `base` for this machine (unless a valid one exists): `$HF_BPD_CACHE/artifacts/<key>/`.
-    Holds a file lock while building; returns the package path."""
+    Holds a file lock while building; returns the package path. `key`: the key to build under (a background
+    worker's copy of another process's base: its weights and dtype must be the key's)."""
     from .inlining import INDUCTOR_OPTIONS, compiler_options
     from .prefetch import prefetching_gemm_template
     from .quiet import quiet_compilation
 
     import fcntl  # POSIX file locks (Linux, macOS)
 
-    key = artifact_key(base, threads)
+    own = artifact_key(base, threads if key is None else key["threads"])
+    if key is not None and (own["weights"], own["dtype"]) != (key["weights"], key["dtype"]):
+        raise ValueError(f"this base is not the one the key names (weights {own['weights']} vs {key['weights']}, "
+                         f"dtype {own['dtype']} vs {key['dtype']})")
+    key = key or own
     directory = key_dir(key)
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / "build.lock", "w") as lock:
+    with open(directory / LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second builder waits here, then finds the artifact built
         if valid(directory, key):
             return directory / PACKAGE
+        (directory / FAILED).unlink(missing_ok=True)
         start = time.perf_counter()
         if log:
             log(f"building the compiled step for this machine ({key['cpu']}, {key['threads']} threads) ...")
@@ -203,15 +216,28 @@ class Artifact:
 
 
 _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> Artifact (None: none on disk)
+_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> (threads, weights' versions, key)
 
 
-def load(base, threads: int | None = None) -> Artifact | None:
-    """The artifact of `base` for this machine if one is built and intact (loaded once per process), else None."""
-    if base in _LOADED:
+def cached_key(base, threads: int | None = None) -> dict:
+    """`artifact_key(base, threads)`, computed again only when a weight changed (the fingerprint reads every
+    tensor: ~0.1 s for SmolLM2)."""
+    threads = threads or torch.get_num_threads()
+    versions = tuple((p.data_ptr(), p._version) for p in base.parameters())
+    known = _KEYS.get(base)
+    if known is None or known[:2] != (threads, versions):
+        known = _KEYS[base] = (threads, versions, artifact_key(base, threads))
+    return known[2]
+
+
+def load(base, threads: int | None = None, again: bool = False) -> Artifact | None:
+    """The artifact of `base` for this machine if one is built and intact (loaded once per process), else None.
+    A base found without one is looked up again only with `again`."""
+    if base in _LOADED and not (again and _LOADED[base] is None):
         return _LOADED[base]
     artifact = None
     if unsupported_reason(base) is None:
-        key = artifact_key(base, threads)
+        key = cached_key(base, threads)
         directory = key_dir(key)
         if valid(directory, key):
             artifact = Artifact(directory / PACKAGE)

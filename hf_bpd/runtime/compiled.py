@@ -14,7 +14,6 @@ layer's `cumulative_length` (a `StaticCache` writes at that counter, not at `cac
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 import weakref
@@ -29,7 +28,7 @@ from transformers.cache_utils import StaticCache
 from ..kv_cache import CACHE_NAME
 from .attention import grouped_query_attention, uses_grouped_attention
 from .inlining import INDUCTOR_OPTIONS, compiler_options
-from .int8_heads import int8_heads_step
+from .int8_heads import int8_heads_step, kernel_file
 from .prefetch import prefetching_gemm_template
 from .quiet import quiet_compilation
 from .step import VerificationStep
@@ -130,6 +129,7 @@ class CompiledRunner:
     (`compiled_heads`)."""
 
     kind = "compiled"  # what `GenerationStats.verifier` reports
+    last_kind = "compiled"  # what ran the last step (`GenerationStats.verifier_steps`)
 
     def __init__(self, base, max_cache_len: int):
         self.base = base
@@ -180,15 +180,18 @@ class CompiledRunner:
         self.compiled_buckets[q] = time.perf_counter() - start
         return logits, hidden
 
-    def heads_step(self, heads, top_k: int, int8: bool | None = False):
+    def heads_step(self, heads, top_k: int, int8: bool | None = False, blocking: bool = True):
         """The compiled heads step for `heads` at lattice width `top_k`: `(hidden (hidden_size,), next token) ->
         (values, indices)`; with `int8` (True, or None for "where it can"), the int8 kernel's step on CPU instead
-        (`int8_heads_step`)."""
-        if int8 is not False:
+        (`int8_heads_step`). Without `blocking`, nothing is compiled or built: None (draft eagerly) when neither
+        step is ready."""
+        if int8 is not False and (blocking or kernel_file().exists()):
             step = int8_heads_step(heads, top_k, warn=int8 is True)
             if step is not None:
                 return step
         by_width = self.heads_steps.setdefault(heads, {})
+        if top_k not in by_width and not blocking:
+            return None
         if top_k not in by_width:
             compiled = torch.compile(_HeadsStep(heads, top_k).eval(), dynamic=False)
             key = (id(heads), top_k)
@@ -209,13 +212,17 @@ class CompiledRunner:
             by_width[top_k] = run
         return by_width[top_k]
 
-    def warm_up(self, buckets, device, heads=None, top_k: int = 0, int8: bool | None = False) -> dict[int, float]:
+    def warm_up(self, buckets, device, heads=None, top_k: int = 0, int8: bool | None = False,
+                blocking: bool = True) -> dict[int, float]:
         """Compile the verification steps of `buckets` (block lengths), and the heads step when `heads` are given,
-        now (outside any timed region), and time each step; returns `{block length: seconds compiling took}`."""
+        now (outside any timed region), and time each step; returns `{block length: seconds compiling took}`.
+        Without `blocking`, a heads step that is not ready is not compiled (see `heads_step`)."""
         with self.lock, torch.no_grad():
             if heads is not None:  # heads_int8=True warns when unserved: once, when the decoding loop takes the step
-                self.heads_step(heads, top_k, None if int8 else int8)(torch.zeros(self.base.config.get_text_config().hidden_size,
-                                                          dtype=self.base.dtype, device=device), 0)
+                step = self.heads_step(heads, top_k, None if int8 else int8, blocking)
+                if step is not None:
+                    step(torch.zeros(self.base.config.get_text_config().hidden_size, dtype=self.base.dtype,
+                                     device=device), 0)
             for b in buckets:
                 if b in self.compiled_buckets:
                     continue
@@ -244,8 +251,9 @@ class CompiledRunner:
 
 class ArtifactRunner(CompiledRunner):
     """A runner whose verification step is a prebuilt artifact (`hf_bpd.runtime.artifacts`), loaded, not compiled:
-    it serves blocks of 1 to `artifacts.MAX_BLOCK` tokens over the used part of the cache (longer blocks take the
-    `torch.compile` path of `CompiledRunner`)."""
+    it serves blocks of 1 to `artifacts.MAX_BLOCK` tokens over the used part of the cache. A longer block runs the
+    same step eagerly on the same cache, or, with `blocking` (`compile="wait"`), takes the `torch.compile` path of
+    `CompiledRunner`."""
 
     kind = "artifact"
 
@@ -255,36 +263,43 @@ class ArtifactRunner(CompiledRunner):
         super().__init__(base, max_cache_len)
         self.artifact, self.max_block = artifact, MAX_BLOCK
         self.kv = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
+        self.blocking = False  # set per call: whether a block over `max_block` may compile
 
     def run(self, input_ids, position_ids, cache_position, attention_mask):
         q = input_ids.shape[1]
         if q > self.max_block:
-            return super().run(input_ids, position_ids, cache_position, attention_mask)
+            if self.blocking:
+                self.last_kind = "compiled"
+                return super().run(input_ids, position_ids, cache_position, attention_mask)
+            self.last_kind = "eager"
+            with grouped_query_attention(self.base, self.grouped):
+                return self.step(input_ids, position_ids, cache_position, attention_mask)
         attended = int(cache_position[-1]) + 1  # the cached tokens and this block; the slots after it are not read
         mask = attention_mask[..., :attended].contiguous()
         logits, hidden = self.artifact(input_ids, position_ids, mask, cache_position[0], self.kv)
+        self.last_kind = "artifact"
         self.compiled_buckets.setdefault(q, 0.0)  # nothing compiled in this process
         return logits, hidden
 
 
-_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base model -> {max_cache_len: CompiledRunner}
+# base model -> {(kind, max_cache_len): runner}: an artifact runner replaces the compiling one once an artifact exists
+_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def compiled_runner(base, needed_length: int) -> CompiledRunner:
-    """The runner of `base` whose static cache holds `needed_length` tokens: the smallest one that exists (its
-    compiled steps are reused), else a new one (created, not compiled) rounded up to `CACHE_BUCKET` tokens."""
+def compiled_runner(base, needed_length: int, artifact=None) -> CompiledRunner:
+    """The runner of `base` whose static cache holds `needed_length` tokens, running `artifact` (an
+    `ArtifactRunner`) or compiling (`CompiledRunner`, when `artifact` is None): the smallest one of that kind that
+    exists (its compiled steps are reused), else a new one (created, not compiled) rounded up to `CACHE_BUCKET`
+    tokens."""
     runners = _RUNNERS.setdefault(base, {})
-    fitting = [size for size in runners if size >= needed_length]
+    kind = "compiled" if artifact is None else "artifact"
+    fitting = [size for k, size in runners if k == kind and size >= needed_length]
     if fitting:
-        return runners[min(fitting)]
+        return runners[kind, min(fitting)]
     size = -(-needed_length // CACHE_BUCKET) * CACHE_BUCKET
-    artifact = None
-    if os.environ.get("HF_BPD_ARTIFACTS", "1") != "0":  # a step built by `hf-bpd compile`, if any
-        from . import artifacts
-
-        artifact = artifacts.load(base)
-    runners[size] = ArtifactRunner(base, size, artifact) if artifact is not None else CompiledRunner(base, size)
-    return runners[size]
+    runner = ArtifactRunner(base, size, artifact) if artifact is not None else CompiledRunner(base, size)
+    runners[kind, size] = runner
+    return runner
 
 
 def discard_runners(base) -> None:
@@ -297,6 +312,12 @@ def discard_runners(base) -> None:
 
 class CompiledVerifier:
     """Verification with `CompiledRunner`'s compiled steps on its static cache (see the module docstring)."""
+
+    @property
+    def kind(self) -> str:
+        """What ran the last verification: "artifact", "compiled" or "eager" (a block longer than an artifact
+        serves, `ArtifactRunner`)."""
+        return self.runner.last_kind
 
     def __init__(self, model, runner: CompiledRunner):
         self.model, self.base, self.runner = model, model.base_lm, runner

@@ -1,0 +1,155 @@
+"""Builds beside `generate()`: with `compile=True`, a call never waits for a compiler.
+
+When a base has no artifact for this machine yet (`hf_bpd.runtime.artifacts`), the first compiled call starts a
+build in a worker process and decodes at once with eager verification; every later call looks again and switches
+to the artifact when it is there. The worker:
+
+* gets a copy of the base's weights (`save_pretrained`, safetensors, in the artifact's folder; deleted once loaded),
+  so it builds for the base as it is in the caller's process, whatever it was loaded from; the key's weight
+  fingerprint and dtype are checked again in the worker;
+* builds the int8 heads kernel (`hf_bpd.runtime.int8_heads`, ~2 s), then the artifact (~2 min for SmolLM2 on 2
+  cores), with the caller's thread count (baked into the GEMM code), at idle CPU priority (`SCHED_IDLE` on Linux,
+  else `nice` 19): it takes only the CPU time the caller leaves;
+* outlives the caller (its own process group): a short script's process may end; the build finishes and the next
+  process loads the artifact;
+* logs to `build.log` in the artifact's folder; a failed build leaves `build.failed` (its error), and no later call
+  starts it again until `hf-bpd compile CKPT` (which builds in the foreground and shows the error) or
+  `hf-bpd compile --clear`.
+
+The builder holds the artifact's file lock, so two processes never build the same one; a process that finds the
+lock held waits for nothing and decodes eagerly. `generate(compile="wait")` builds in the caller instead, before
+decoding (benchmarks); `HF_BPD_ARTIFACTS=0` turns artifacts off (`compile=True` then compiles with `torch.compile`
+in the call, as on GPUs).
+
+The worker is `hf_bpd.runtime.build_worker`, started by `start_build`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from safetensors.torch import save_model
+
+from . import artifacts
+
+logger = logging.getLogger("hf_bpd")
+WEIGHTS = "base"  # the copy of the base's weights the worker loads, in the artifact's folder
+REQUEST = "request.json"  # the key the worker builds under
+_WORKERS: dict[Path, object] = {}  # artifact folder -> the thread (saving the weights) or worker process started here
+_TOLD: set[Path] = set()  # folders whose build this process has announced (one line each)
+_LOCK = threading.Lock()
+
+
+def enabled() -> bool:
+    return os.environ.get("HF_BPD_ARTIFACTS", "1") != "0"
+
+
+def _lock_held(directory: Path) -> bool:
+    """Whether some process is building in `directory` (holds its lock)."""
+    import fcntl
+
+    try:
+        with open(directory / artifacts.LOCK, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return True
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            return False
+    except OSError:
+        return False
+
+
+def building(directory: Path) -> bool:
+    """Whether a build of `directory`'s artifact is under way (started here or by another process)."""
+    worker = _WORKERS.get(directory)
+    if isinstance(worker, threading.Thread) and worker.is_alive():
+        return True
+    if isinstance(worker, subprocess.Popen) and worker.poll() is None:
+        return True
+    return directory.is_dir() and _lock_held(directory)
+
+
+def ready_artifact(base, start: bool = True):
+    """`base`'s artifact if it is loaded or built by now, else None, after starting its build in the background
+    (`start`) unless one is under way or the last one failed."""
+    artifact = artifacts.load(base)
+    if artifact is not None or artifacts.unsupported_reason(base) is not None:
+        return artifact
+    key = artifacts.cached_key(base)
+    directory = artifacts.key_dir(key)
+    with _LOCK:
+        if building(directory):
+            return None
+        if (directory / "key.json").exists():  # built since this process last looked (here or elsewhere)
+            artifact = artifacts.load(base, again=True)
+            if artifact is not None:
+                return artifact
+        if (directory / artifacts.FAILED).exists():
+            if directory not in _TOLD:
+                _TOLD.add(directory)
+                error = (directory / artifacts.FAILED).read_text().strip().splitlines()[-1:] or ["?"]
+                logger.warning("hf_bpd: the compiled step's background build failed (%s); decoding eagerly. "
+                               "`hf-bpd compile CHECKPOINT` builds it in the foreground", error[0][:200])
+            return None
+        if start:
+            start_build(base, key, directory)
+    return None
+
+
+def start_build(base, key: dict, directory: Path) -> None:
+    """Save `base`'s weights for the worker and start it, both off the calling thread (saving SmolLM2 takes ~1 s)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if directory not in _TOLD:
+        _TOLD.add(directory)
+        logger.warning("hf_bpd: building the compiled step for this machine in the background (%s, %d threads; "
+                       "log: %s); decoding eagerly until it is ready", key["cpu"], key["threads"],
+                       directory / "build.log")
+
+    def save_and_start():
+        try:
+            weights = directory / f"{WEIGHTS}-{os.getpid()}"
+            shutil.rmtree(weights, ignore_errors=True)
+            weights.mkdir()
+            # not `base.save_pretrained`: it would set fields of the caller's config (and print a progress bar)
+            copy.deepcopy(base.config).save_pretrained(weights)
+            save_model(base, str(weights / "model.safetensors"))  # tied tensors once
+            (directory / REQUEST).write_text(json.dumps({**key, "weights_dir": weights.name}, indent=1))
+            # Its own process group (Ctrl-C in a terminal reaches the caller only), but the caller's session: with
+            # Linux's autogroup scheduling a new session would get an equal share of the CPU whatever its priority
+            # (measured: the first eager call ran 5x slower beside a worker in its own session).
+            group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+            with open(directory / "build.log", "ab") as log:
+                _WORKERS[directory] = subprocess.Popen(
+                    [sys.executable, "-m", "hf_bpd.runtime.build_worker", str(directory)], stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=subprocess.STDOUT, **group,
+                    env={**os.environ, "OMP_NUM_THREADS": str(key["threads"]), "TORCHINDUCTOR_COMPILE_THREADS": "1"})
+        except Exception as error:  # noqa: BLE001 - the caller decodes eagerly whatever happens here
+            (directory / artifacts.FAILED).write_text(f"starting the build: {type(error).__name__}: {error}\n")
+
+    thread = threading.Thread(target=save_and_start, name="hf_bpd-artifact-save", daemon=True)
+    _WORKERS[directory] = thread
+    thread.start()
+
+
+def wait(directory: Path, timeout: float | None = None) -> bool:
+    """Wait for this process's worker of `directory` (tests, `compile="wait"`); True when it finished."""
+    worker = _WORKERS.get(directory)
+    if isinstance(worker, threading.Thread):
+        worker.join(timeout)
+        worker = _WORKERS.get(directory)
+    if isinstance(worker, subprocess.Popen):
+        try:
+            worker.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+    return True
+

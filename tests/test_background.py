@@ -1,0 +1,105 @@
+"""`generate(compile=True)` never waits for a compiler (`hf_bpd.runtime.background`): without an artifact the call
+decodes eagerly while a worker process builds one (one tiny AOTInductor build, ~30 s); later calls switch to it;
+`compile="wait"` builds or waits in the call; a failed build is reported once and not started again."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from hf_bpd import BlockwiseParallelForCausalLM
+from hf_bpd.runtime import artifacts, background, build_worker
+from tests.test_artifacts import tiny_base
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.artifacts]
+GREEDY = dict(max_new_tokens=30, do_sample=False, eos_token_id=None)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_BPD_ARTIFACTS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tmp_path
+    torch.set_num_threads(threads)
+
+
+def drafted(seed: int):
+    base = tiny_base(seed=seed)
+    model = BlockwiseParallelForCausalLM.from_base(base, num_heads=2).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return base, model
+
+
+def background_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "hf_bpd"]
+
+
+def test_calls_never_wait_and_switch_to_the_artifact_once_built(cache, caplog):
+    base, model = drafted(seed=4)
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(4))
+    want = base.generate(ids, **GREEDY)
+    with caplog.at_level(logging.WARNING, logger="hf_bpd"):
+        for _ in range(2):  # the first call starts the build; the second finds it under way
+            assert torch.equal(model.generate(ids, compile=True, **GREEDY), want)
+            stats = model.last_generation_stats
+            assert stats.verifier == "eager" and set(stats.verifier_steps) == {"eager"}
+            assert stats.compile_seconds == 0.0
+    lines = background_lines(caplog)
+    assert len(lines) == 1 and "in the background" in lines[0]  # one line, once
+    directory = artifacts.key_dir(artifacts.cached_key(base))
+    assert background.building(directory) and len(background._WORKERS) >= 1
+    worker = background._WORKERS[directory]
+
+    # compile="wait" (benchmarks) waits for the build (or builds itself) and runs the artifact
+    assert torch.equal(model.generate(ids, compile="wait", **GREEDY), want)
+    stats = model.last_generation_stats
+    assert stats.verifier == "artifact" and stats.verifier_steps == {"artifact": stats.serial_calls - 1}
+    assert stats.compile_seconds > 0
+    assert background.wait(directory, timeout=600) and background._WORKERS[directory] is not worker or True
+    process = background._WORKERS[directory]
+    assert process.returncode == 0, (directory / "build.log").read_text()[-2000:]
+    assert not [p.name for p in directory.iterdir() if p.name.startswith(background.WEIGHTS)]  # the copy is gone
+    assert base.config.architectures is None  # the caller's base was not changed by saving its weights
+
+    # later calls: the artifact, nothing compiled; a block longer than it serves runs eagerly on the same cache
+    assert torch.equal(model.generate(ids, compile=True, **GREEDY), want)
+    assert model.last_generation_stats.verifier == "artifact" and model.last_generation_stats.compile_seconds == 0
+    assert torch.equal(model.generate(ids, compile=True, tree=(4, 4), **GREEDY), want)  # 1 + 4 + 16 = 21 tokens
+    stats = model.last_generation_stats
+    assert stats.verifier == "artifact" and stats.verifier_steps == {"eager": stats.serial_calls - 1}
+
+
+def test_a_failed_build_is_reported_once_and_not_started_again(cache, caplog):
+    base, model = drafted(seed=6)
+    directory = artifacts.key_dir(artifacts.cached_key(base))
+    directory.mkdir(parents=True)
+    (directory / artifacts.FAILED).write_text("RuntimeError: the C++ compiler crashed\n")
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(6))
+    want = base.generate(ids, **GREEDY)
+    with caplog.at_level(logging.WARNING, logger="hf_bpd"):
+        for _ in range(2):
+            assert torch.equal(model.generate(ids, compile=True, **GREEDY), want)
+            assert model.last_generation_stats.verifier == "eager"
+    lines = background_lines(caplog)
+    assert len(lines) == 1 and "the C++ compiler crashed" in lines[0] and "hf-bpd compile" in lines[0]
+    assert directory not in background._WORKERS
+
+
+def test_the_worker_refuses_weights_that_are_not_the_keys(cache):
+    """A worker builds only for the base the caller has: another base's weights under its key fail, recorded."""
+    base = tiny_base(seed=7)
+    key = artifacts.cached_key(base)
+    directory = artifacts.key_dir(key)
+    weights = directory / "base-test"
+    weights.mkdir(parents=True)
+    tiny_base(seed=8).save_pretrained(weights)
+    (directory / background.REQUEST).write_text(json.dumps({**key, "weights_dir": weights.name}))
+    assert build_worker.main(directory) == 1
+    assert "not the one the key names" in (directory / artifacts.FAILED).read_text()
+    assert not weights.exists() and not (directory / artifacts.PACKAGE).exists()
