@@ -53,6 +53,41 @@ def test_compiled_decoding_equals_the_base_greedy_output(model, options):
         assert model.heads in _STEPS
 
 
+def test_a_growing_conversation_reuses_the_cached_context_and_stays_exact(model):
+    """Each call keeps the prompt's prefix the static cache holds from the last call (the last answer included) and
+    runs only the rest; a prompt that leaves the cached context early keeps only the common part."""
+    # (no padding id: an answer holding token 0 would otherwise make the next prompt look padded)
+    kwargs = dict(max_new_tokens=14, do_sample=False, eos_token_id=None, pad_token_id=None)
+    ids = prompt(40, 5)
+    for turn in range(3):
+        for options in ({}, {"use_heads": False}):  # drafting and compiled plain share the runner and its cache
+            got = model.generate(ids, compile=True, **options, **kwargs)
+            assert torch.equal(got, model.base_lm.generate(ids, **kwargs)), (turn, options)
+            reused = model.last_generation_stats.reused_prompt_tokens
+            if turn > 0 or options:  # the same prompt twice: all but its last token; a new turn: the old context
+                assert reused >= ids.shape[1] - 6, (turn, options, reused)
+        ids = torch.cat([got, prompt(41 + turn, 5)], 1)
+    changed = ids.clone()
+    changed[0, 7] = 3 + (changed[0, 7] - 2) % (VOCAB - 3)  # the context differs from token 7 on (no special ids)
+    got = model.generate(changed, compile=True, **kwargs)
+    assert torch.equal(got, model.base_lm.generate(changed, **kwargs))
+    assert model.last_generation_stats.reused_prompt_tokens == 7
+    # a call that outgrows the 512-slot cache takes a larger one, and the context moves with it
+    longer = torch.cat([got, prompt(50, 4)], 1)
+    kwargs["max_new_tokens"] = 520
+    assert torch.equal(model.generate(longer, compile=True, **kwargs), model.base_lm.generate(longer, **kwargs))
+    assert model.last_generation_stats.reused_prompt_tokens >= longer.shape[1] - 5
+    assert max(size for _, size in verify_runtime._RUNNERS[model.base_lm]) >= 1024
+    # a new short conversation on the 512-slot cache, continued with a long answer: its context moves into the
+    # larger cache that already exists (and holds an older conversation)
+    short, kwargs["max_new_tokens"] = prompt(60, 5), 14
+    got = model.generate(short, compile=True, **kwargs)
+    assert torch.equal(got, model.base_lm.generate(short, **kwargs))
+    again, kwargs["max_new_tokens"] = torch.cat([got, prompt(61, 4)], 1), 520
+    assert torch.equal(model.generate(again, compile=True, **kwargs), model.base_lm.generate(again, **kwargs))
+    assert model.last_generation_stats.reused_prompt_tokens >= again.shape[1] - 5
+
+
 def test_compiled_cost_schedule_and_prompt_lookup_are_exact(model):
     """The cost schedule uses the compiled one-token and chain steps and their timed costs; a prompt-lookup copy
     competes with the chain for the 7 draft nodes of one compiled block of 8."""

@@ -355,7 +355,8 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
         decoded.accept(tokens, step_logits, step_scores)
 
     sequence = decoded.sequence
-    cache = verifier.close(sequence.shape[1])
+    cache = verifier.close(sequence.shape[1], sequence)
+    stats.reused_prompt_tokens = getattr(verifier, "reused", 0)
     if referee is not None:
         stats.tie_checks, stats.tie_changes, stats.tie_seconds = referee.checks, referee.changed, referee.seconds
     if generation_config.return_dict_in_generate:

@@ -69,7 +69,7 @@ class EagerVerifier:
         """Keep block positions `kept` (the root and the accepted path) of the last verification; drop the rest."""
         keep_accepted(self.cache, block_length, kept)
 
-    def close(self, length: int) -> object:
+    def close(self, length: int, sequence: torch.Tensor | None = None) -> object:
         """The cache after decoding `length` tokens (it holds `length - 1`)."""
         if self.cache.get_seq_length() > length - 1:
             self.cache.crop(-(self.cache.get_seq_length() - (length - 1)))

@@ -14,6 +14,7 @@ layer's `cumulative_length` (a `StaticCache` writes at that counter, not at `cac
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 import weakref
@@ -162,6 +163,8 @@ class CompiledRunner:
         self.compiled_buckets: dict[int, float] = {}  # block length -> seconds its first call took (compilation)
         self.bucket_ms: dict[int, float] = {}  # block length -> median ms of the step (timed after compiling)
         self.compiled_heads: dict[tuple[int, int], float] = {}  # (id(heads), top_k) -> seconds compiling took
+        self.context: torch.Tensor | None = None  # the tokens whose keys/values the cache holds, from the last call
+        self.context_stamp = 0  # when that call ended (`_CALLS`): the newest context is the one to continue
 
     @property
     def compiled(self):
@@ -226,19 +229,45 @@ class CompiledRunner:
             for b in buckets:
                 if b in self.compiled_buckets:
                     continue
-                self.reset()
+                # the warm-up writes after the cached context (`take_context`), which stays valid
+                past = len(self.context) if self.context is not None else 0
+                if past + b > self.max_cache_len:
+                    self.context, past = None, 0
                 mask = torch.zeros(1, 1, b, self.max_cache_len, dtype=self.base.dtype, device=device)
-                positions = torch.arange(b, device=device)
+                positions = past + torch.arange(b, device=device)
                 tokens = torch.zeros(1, b, dtype=torch.long, device=device)
-                self.run(tokens, positions[None], positions, mask)
                 times = []
-                for _ in range(5):  # the step's cost, for draft_schedule="cost"
+                for _ in range(6):  # the first call compiles; the others time the step, for draft_schedule="cost"
+                    self.set_length(past)
                     start = time.perf_counter()
                     self.run(tokens, positions[None], positions, mask)
                     times.append(time.perf_counter() - start)
-                self.bucket_ms[b] = 1000 * sorted(times)[2]
+                self.bucket_ms[b] = 1000 * sorted(times[1:])[2]
             self.reset()
         return dict(self.compiled_buckets)
+
+    def take_prefix(self, prompt: torch.Tensor) -> int:
+        """How many leading tokens of `prompt` (1D) the cache holds from the last call (`context`), at most all but
+        the last one (the prompt pass must compute the last position's logits); the cache is then this call's, so
+        `context` is cleared until the call closes."""
+        context, self.context = self.context, None
+        if context is None or len(context) == 0:
+            return 0
+        n = min(len(context), len(prompt) - 1)
+        if n <= 0:
+            return 0
+        differ = (context[:n] != prompt[:n].to(context.device)).nonzero()
+        return int(differ[0]) if len(differ) else n
+
+    def take_context(self, other: CompiledRunner) -> None:
+        """Move `other`'s cached context (its tokens' keys/values) into this runner's larger cache."""
+        n = len(other.context)
+        with torch.no_grad():
+            for mine, theirs in zip(self.cache.layers, other.cache.layers):
+                mine.keys[:, :, :n].copy_(theirs.keys[:, :, :n])
+                mine.values[:, :, :n].copy_(theirs.values[:, :, :n])
+        self.context, other.context = other.context, None
+        self.context_stamp = other.context_stamp
 
     def set_length(self, length: int) -> None:
         for layer in self.cache.layers:
@@ -282,6 +311,7 @@ class ArtifactRunner(CompiledRunner):
         return logits, hidden
 
 
+_CALLS = itertools.count(1)  # compiled calls that ended, in order
 # base model -> {(kind, max_cache_len): runner}: an artifact runner replaces the compiling one once an artifact exists
 _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -295,10 +325,17 @@ def compiled_runner(base, needed_length: int, artifact=None) -> CompiledRunner:
     kind = "compiled" if artifact is None else "artifact"
     fitting = [size for k, size in runners if k == kind and size >= needed_length]
     if fitting:
-        return runners[kind, min(fitting)]
-    size = -(-needed_length // CACHE_BUCKET) * CACHE_BUCKET
-    runner = ArtifactRunner(base, size, artifact) if artifact is not None else CompiledRunner(base, size)
-    runners[kind, size] = runner
+        runner = runners[kind, min(fitting)]
+    else:
+        size = -(-needed_length // CACHE_BUCKET) * CACHE_BUCKET
+        runner = ArtifactRunner(base, size, artifact) if artifact is not None else CompiledRunner(base, size)
+        runners[kind, size] = runner
+    # the latest call's context may sit in another runner (a conversation outgrew its cache): it moves along
+    latest = max((r for (k, _), r in runners.items() if k == kind and r is not runner and r.context is not None
+                  and len(r.context) < runner.max_cache_len), key=lambda r: r.context_stamp, default=None)
+    if latest is not None and (runner.context is None or latest.context_stamp > runner.context_stamp):
+        with latest.lock, runner.lock:
+            runner.take_context(latest)
     return runner
 
 
@@ -329,11 +366,17 @@ class CompiledVerifier:
         self._aranges: dict[int, torch.Tensor] = {}
 
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompt pass, eager, writing into the static cache (the call holds the runner's lock from here on)."""
-        self.runner.reset()
+        """The prompt pass, eager, writing into the static cache (the call holds the runner's lock from here on).
+        The cache still holds the last call's context: the prompt's longest prefix found there is kept and only the
+        rest runs (a growing conversation passes only its new turn)."""
+        reused = self.runner.take_prefix(input_ids[0])
+        self.runner.set_length(reused)
+        self.reused = reused
+        rest = input_ids[:, reused:]
+        positions = torch.arange(reused, input_ids.shape[1], device=input_ids.device)
         with grouped_query_attention(self.base, self.runner.grouped):
-            out = self.model(input_ids=input_ids, **{CACHE_NAME: self.cache}, use_cache=True,
-                             return_head_logits=False, logits_to_keep=1)
+            out = self.model(input_ids=rest, **{CACHE_NAME: self.cache}, use_cache=True, cache_position=positions,
+                             position_ids=positions[None], return_head_logits=False, logits_to_keep=1)
         self.length = input_ids.shape[1]
         self.runner.set_length(self.length)
         return out.logits[:, -1], out.last_hidden_state[0, -1]
@@ -402,7 +445,10 @@ class CompiledVerifier:
         self.length = past + len(kept)
         self.runner.set_length(self.length)
 
-    def close(self, length: int) -> object:
+    def close(self, length: int, sequence: torch.Tensor | None = None) -> object:
         self.length = min(self.length, length - 1)
         self.runner.set_length(self.length)
+        if sequence is not None:  # the next call may start from this context (`prefill`)
+            self.runner.context = sequence[0, :self.length].clone()
+            self.runner.context_stamp = next(_CALLS)
         return None  # the static cache is the runner's, reused by the next call: it is not handed out

@@ -1,0 +1,91 @@
+"""A feature-level drafter (EAGLE-style): one decoder layer that drafts autoregressively over the base's features.
+
+The drafting heads (`hf_bpd.heads`) predict token t+i from the base's hidden state at t alone: head i never sees the
+tokens between. A feature-level drafter conditions on what it drafts. At position j it reads the base's feature
+`f_j` (the final hidden state, what the output layer reads) fused with the embedding of token j+1:
+
+    x_j = fuse([embed(token_{j+1}); f_j])           (2 * hidden -> hidden)
+    h_j = layer(x_j | x_{<j})                        (one decoder layer of the base's own class, causal, its own KV cache)
+    p(token_{j+2}) = softmax(output(norm(h_j)))      (the base's frozen output rows over the draft vocabulary)
+
+and `h_j` stands in for the base's feature `f_{j+1}` at the next drafting depth, so drafting d tokens costs d passes
+of one layer. The embedding, the output rows and the rotary tables are the base's, frozen and not stored; the fuse
+projection, the layer and the norm are the drafter's (the layer and the norm start as copies of the base's last
+ones).
+
+`hf_bpd.training.train_drafter` trains it on extracted features (`hf_bpd.training.features`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from transformers.masking_utils import create_causal_mask
+
+from .kv_cache import CACHE_NAME
+
+
+def decoder_of(base) -> nn.Module:
+    """The base's decoder stack (`model.model` for most causal LMs)."""
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.model
+    if not hasattr(decoder, "layers"):
+        raise ValueError(f"{type(base).__name__} has no decoder layer list: a feature-level drafter needs a "
+                         "decoder-only base with model.layers")
+    return decoder
+
+
+class FeatureDrafter(nn.Module):
+    """See the module docstring. `draft_vocab`: the token ids the drafter predicts over (None: the whole
+    vocabulary)."""
+
+    def __init__(self, base, draft_vocab: torch.Tensor | None = None):
+        super().__init__()
+        decoder = decoder_of(base)
+        text = base.config.get_text_config(decoder=True)
+        config = copy.deepcopy(text)
+        config.num_hidden_layers = 1
+        if getattr(config, "layer_types", None):
+            config.layer_types = ["full_attention"]
+        self.config = config
+        hidden = text.hidden_size
+        self.fuse = nn.Linear(2 * hidden, hidden, bias=True)
+        nn.init.normal_(self.fuse.weight, std=0.02)
+        nn.init.zeros_(self.fuse.bias)
+        last = decoder.layers[-1]
+        self.layer = type(last)(config, layer_idx=0)
+        self.layer.load_state_dict(last.state_dict())
+        self.norm = copy.deepcopy(decoder.norm)
+        self.to(base.dtype)
+        self.register_buffer("draft_vocab", None if draft_vocab is None else draft_vocab.clone().long(),
+                             persistent=True)
+        # the base's frozen pieces, kept out of this module's parameters (not trained, not saved)
+        self._frozen = {"embed": base.get_input_embeddings(), "output": base.get_output_embeddings(),
+                        "rotary": decoder.rotary_emb}
+
+    def output_weight(self) -> torch.Tensor:
+        weight = self._frozen["output"].weight
+        return weight if self.draft_vocab is None else weight[self.draft_vocab]
+
+    def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, position_ids: torch.Tensor,
+                cache=None) -> torch.Tensor:
+        """`features (B, T, hidden)` at positions `position_ids (B, T)`, `next_tokens (B, T)` the token after each:
+        the drafter's hidden states `(B, T, hidden)` (each stands for the base's feature one position later).
+        With `cache` (a `DynamicCache`) the layer attends to the positions it holds too."""
+        embed = self._frozen["embed"](next_tokens).to(features.dtype)
+        x = self.fuse(torch.cat([embed, features], dim=-1))
+        rotary = self._frozen["rotary"](x, position_ids=position_ids)
+        mask = None
+        if cache is not None:
+            mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None,
+                                      **{CACHE_NAME: cache}, position_ids=position_ids)
+        return self.layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary,
+                          use_cache=cache is not None, **{CACHE_NAME: cache})
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of the drafter's hidden states."""
+        return nn.functional.linear(self.norm(hidden), self.output_weight())
+
+    def to_vocab_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]
