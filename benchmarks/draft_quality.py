@@ -12,6 +12,9 @@ vanilla BPD (the heads' argmax; sequential heads read the reference's tokens, wh
 draft can count), the n-gram rescorer's drafts (`--rescorer-from`: a checkpoint whose bundled 4-gram and alpha are
 used for every checkpoint, so heads are compared under the same rescorer), and the oracle over the top-k lattice.
 Timing-free: the figures do not depend on the machine's load.
+
+`--drafters` adds feature-level drafters (`training/train_drafter.py`) for the first checkpoint's base: the block
+efficiency of their chain drafts at each `--depths` (`hf_bpd.evaluation.drafter_quality`), along the same references.
 """
 
 from __future__ import annotations
@@ -67,6 +70,30 @@ def decoded(model, tokenizer, questions, refs, rescorer, max_new_tokens: int) ->
     return {"block_efficiency": tokens / max(calls, 1), "exact": exact}
 
 
+def drafter_rows(paths, base, tokenizer, questions, refs, depths) -> list[dict]:
+    """The chain block efficiency of each feature-level drafter at each depth (`hf_bpd.evaluation.drafter_quality`)."""
+    from hf_bpd.evaluation import drafter_quality
+    from hf_bpd.feature_drafter import FeatureDrafter
+
+    along = []
+    for q in questions:
+        ids = torch.tensor(refs[str(q["id"])])
+        n = encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], None)["input_ids"].shape[1]
+        along.append((ids, n, drafter_quality.base_features(base, ids)))
+    rows = []
+    for path in paths:
+        drafter = FeatureDrafter.load(path, base)
+        trained = json.loads((Path(path) / "training.json").read_text()).get("tokens")
+        for depth in depths:
+            runs = [(len(ids) - n, drafter_quality.chain_accepted_lengths(drafter, feats, ids, n, depth))
+                    for ids, n, feats in along]
+            be = drafter_quality.block_efficiency(runs)
+            rows.append({"drafter": path, "trained_tokens": trained, "depth": depth, "block_efficiency": be})
+            print(f"{path} (feature-level drafter, {trained} training tokens), chain of {depth}: block efficiency "
+                  f"{be:.3f}", flush=True)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoints", nargs="+", required=True, help="heads checkpoint directories (same base)")
@@ -83,6 +110,10 @@ def main(argv=None):
                    help="also decode with the n-gram rescorer (eager generate()): the rescored block efficiency as "
                         "decoding sees it (for sequential heads the analysis' rescored/oracle figures are upper "
                         "bounds: their lattice is conditioned on the reference's tokens)")
+    p.add_argument("--drafters", nargs="*", default=[],
+                   help="feature-level drafters (folders written by training/train_drafter.py) for the first "
+                        "checkpoint's base: their chain block efficiency along the same references")
+    p.add_argument("--depths", default="4,6", help="drafting depths for --drafters")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
@@ -125,6 +156,8 @@ def main(argv=None):
                   f"{s['vanilla']['block_efficiency']:.3f}  + n-gram {rescored:.3f}  oracle "
                   + " ".join(f"top-{k} {v:.3f}" for k, v in s["oracle_block_efficiency"].items()), flush=True)
         model.config.num_heads = all_heads
+    if args.drafters:
+        rows += drafter_rows(args.drafters, base, tokenizer, questions, refs, [int(d) for d in args.depths.split(",")])
     if args.output:
         Path(args.output).write_text(json.dumps({"settings": vars(args), "results": rows}, indent=1))
         print(f"wrote {args.output}")

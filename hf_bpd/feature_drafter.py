@@ -64,6 +64,18 @@ class FeatureDrafter(nn.Module):
         self._frozen = {"embed": base.get_input_embeddings(), "output": base.get_output_embeddings(),
                         "rotary": decoder.rotary_emb}
 
+    @classmethod
+    def load(cls, folder, base) -> FeatureDrafter:
+        """A drafter saved by `hf_bpd.training.train_drafter.save_drafter` (`drafter.safetensors`), for `base`."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        state = load_file(str(Path(folder) / "drafter.safetensors"))
+        drafter = cls(base, state.get("draft_vocab"))
+        drafter.load_state_dict(state)
+        return drafter.eval()
+
     def output_weight(self) -> torch.Tensor:
         weight = self._frozen["output"].weight
         return weight if self.draft_vocab is None else weight[self.draft_vocab]

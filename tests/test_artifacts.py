@@ -197,3 +197,15 @@ def test_generate_uses_a_built_artifact_in_this_process(built):
         assert model.last_generation_stats.verifier == "artifact"
     assert sorted(_RUNNERS[base]) == [("artifact", 512), ("artifact", 1024)]
     assert all(isinstance(r, ArtifactRunner) for r in _RUNNERS[base].values())
+
+
+def test_compile_command_says_which_drafting_shapes_the_artifact_serves():
+    """`hf-bpd compile CKPT --tree/--draft-nodes`: the block a drafting shape verifies, against the 16 served."""
+    from argparse import Namespace
+
+    from hf_bpd.cli.artifacts import _largest_block
+
+    model = BlockwiseParallelForCausalLM.from_base(tiny_base(), num_heads=2).eval()
+    assert _largest_block(model, Namespace(tree="4,4", draft_nodes=None)) == 21 > artifacts.MAX_BLOCK
+    assert _largest_block(model, Namespace(tree=None, draft_nodes=7)) == 3  # 2 heads draft 2 nodes at most
+    assert _largest_block(tiny_base(), Namespace(tree=None, draft_nodes=None)) == 1

@@ -67,3 +67,81 @@ def test_training_on_features_teaches_the_bases_next_tokens(tiny_chat_base, tmp_
     train_drafter.save_drafter(drafter, tmp_path / "out", result)
     saved = (tmp_path / "out" / "drafter.safetensors")
     assert saved.exists() and json.loads((tmp_path / "out" / "training.json").read_text())["tokens"] >= 3500
+
+
+def test_timing_free_chain_acceptance_matches_drafting_from_scratch():
+    """`drafter_quality.chain_accepted_lengths` (one teacher-forced pass, its cache cut per step) equals drafting
+    each step from scratch along the base's greedy continuation."""
+    from hf_bpd.evaluation import drafter_quality
+
+    base = tiny_base("llama")
+    with torch.no_grad():
+        base.model.norm.weight.mul_(30)
+    drafter = FeatureDrafter(base).eval()
+    with torch.no_grad():  # a drafter that agrees where the base repeats itself: it predicts the token it reads
+        drafter.fuse.weight.zero_()
+        drafter.fuse.weight[:, :32] = torch.eye(32)
+        for p in drafter.layer.parameters():
+            p.zero_()
+        drafter.norm.weight.copy_(base.model.norm.weight)
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(3))
+    ids = base.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=None)[0]
+    features = drafter_quality.base_features(base, ids)
+    got = drafter_quality.chain_accepted_lengths(drafter, features, ids, 5, depth=3)
+
+    expected, last = [], 6
+    with torch.no_grad():
+        while last < len(ids):
+            p, room = last - 2, min(3, len(ids) - last)
+            cache = DynamicCache(config=drafter.config)
+            state = drafter(features[None, :p + 1], ids[None, 1:p + 2], torch.arange(p + 1)[None], cache)[:, -1:]
+            count = 0
+            for d in range(room):
+                token = drafter.logits(state)[0, -1].argmax(-1)
+                if int(token) != int(ids[last + d]):
+                    break
+                count += 1
+                state = drafter(state, token.view(1, 1), torch.tensor([[p + 1 + d]]), cache)
+            expected.append(count)
+            last += count + 1
+    assert got == expected and sum(got) > 0
+    new = len(ids) - 5
+    assert drafter_quality.block_efficiency([(new, got)]) == new / (len(got) + 1)
+
+
+def test_the_scripts_extract_train_and_measure(tiny_chat_base, tmp_path):
+    """Smoke run of `training/extract_features.py`, `training/train_drafter.py` and `benchmarks/draft_quality.py
+    --drafters` on a tiny base (its heads checkpoint saved first)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hf_bpd import BlockwiseParallelForCausalLM
+
+    root = Path(__file__).resolve().parents[1]
+    base = AutoModelForCausalLM.from_pretrained(tiny_chat_base).eval()
+    checkpoint = tmp_path / "ckpt"
+    BlockwiseParallelForCausalLM.from_base(base, num_heads=2).save_pretrained(checkpoint)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"instruction": f"Say {i}.", "output": f"{i} " * 40}) + "\n"
+                             for i in range(24)))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "turns": [f"Say {i}."]}) + "\n" for i in range(2)))
+    run = lambda *a: subprocess.run([sys.executable, *a], cwd=root, capture_output=True, text=True, timeout=600)
+    done = run("training/extract_features.py", "--base", str(tiny_chat_base), "--output", str(tmp_path / "f"),
+               "--max-tokens", "2000", "--sources", str(chats), "--exclude", "--dtype", "fp32",
+               "--shard-sequences", "8", "--threads", "1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tokens in" in done.stdout
+    done = run("training/train_drafter.py", "--features", str(tmp_path / "f"), "--checkpoint", str(checkpoint),
+               "--max-tokens", "600", "--batch-size", "4", "--threads", "1", "--output", str(tmp_path / "d"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads((tmp_path / "d" / "training.json").read_text())
+    assert record["tokens"] >= 600 and len(record["held_out"]["heads_agreement"]) == 2
+    assert record["command"].startswith("python training/train_drafter.py --features")
+    done = run("benchmarks/draft_quality.py", "--checkpoints", str(checkpoint), "--questions", str(questions),
+               "--max-new-tokens", "12", "--rescorer-from", "", "--drafters", str(tmp_path / "d"), "--depths", "2,3",
+               "--threads", "1", "--output", str(tmp_path / "dq.json"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [r for r in json.loads((tmp_path / "dq.json").read_text())["results"] if "drafter" in r]
+    assert [r["depth"] for r in rows] == [2, 3] and all(1.0 <= r["block_efficiency"] <= 4.0 for r in rows)

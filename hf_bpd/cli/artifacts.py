@@ -40,10 +40,31 @@ def cmd_compile(args) -> int:
     reason = artifacts.unsupported_reason(base)
     if reason is not None:
         raise ValueError(f"cannot build an artifact for {args.model}: {reason}")
+    largest = _largest_block(model, args)
     path = artifacts.build(base, args.threads, log=lambda m: print(f"hf-bpd: {m}", file=sys.stderr))
     print(f"{path} ready ({time.perf_counter() - start:.0f} s); generate(compile=True) with {args.threads} threads "
-          "loads it")
+          f"loads it; it serves blocks of 1 to {artifacts.MAX_BLOCK} tokens and every context length")
+    if largest > artifacts.MAX_BLOCK:
+        print(f"hf-bpd: the drafting shape asked for verifies blocks of {largest} tokens, over {artifacts.MAX_BLOCK}: "
+              "those steps run eagerly (compile='wait': with torch.compile in each process); use at most "
+              f"{artifacts.MAX_BLOCK - 1} draft nodes", file=sys.stderr)
     return 0
+
+
+def _largest_block(model, args) -> int:
+    """The largest block the checkpoint's defaults, or `--tree` / `--draft-nodes`, verify (1 for a plain base)."""
+    if not hasattr(model, "heads"):
+        return 1
+    from ..generation.config import drafting_options
+    from ..generation.decoding import plan_drafting
+
+    options = {}
+    if args.tree is not None:
+        options.update(tree=args.tree, draft_nodes=None)
+    if args.draft_nodes is not None:
+        options.update(draft_nodes=args.draft_nodes, tree=None)
+    plan = plan_drafting(model, drafting_options(options, None, model.generation_config))
+    return plan.drafter.max_block_length()
 
 
 def add_parsers(sub, command) -> None:
@@ -59,6 +80,9 @@ def add_parsers(sub, command) -> None:
     p.add_argument("model", nargs="?", default=None, help="heads checkpoint directory or base model")
     p.add_argument("--threads", type=int, default=2, help="torch threads the artifact is built for (baked in)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype")
+    p.add_argument("--tree", default=None, help="a tree shape you will draft with (widths per head, e.g. 4,2,2,1): "
+                   "says whether the artifact serves its blocks")
+    p.add_argument("--draft-nodes", type=int, default=None, help="a draft-node budget you will draft with (the same)")
     p.add_argument("--list", action="store_true", help="list the built artifacts")
     p.add_argument("--clear", action="store_true", help="remove every built artifact")
     p.set_defaults(func=cmd_compile)

@@ -21,12 +21,6 @@ def main(directory: Path) -> int:
     """The worker: load the saved base, build the int8 kernel and the artifact under the requested key."""
     from transformers import AutoModelForCausalLM
 
-    os.nice(19)
-    if hasattr(os, "sched_setscheduler"):  # Linux: CPU time only when nothing else wants it
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except OSError:
-            pass
     request = json.loads((directory / REQUEST).read_text())
     weights = directory / request.pop("weights_dir")
     key = request
@@ -55,5 +49,16 @@ def main(directory: Path) -> int:
     return 0
 
 
+def idle_priority() -> None:
+    """This process at idle CPU priority (before it starts threads: Linux applies both per thread)."""
+    os.nice(19)
+    if hasattr(os, "sched_setscheduler"):  # Linux: CPU time only when nothing else wants it
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            pass
+
+
 if __name__ == "__main__":
+    idle_priority()
     sys.exit(main(Path(sys.argv[1])))

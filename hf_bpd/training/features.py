@@ -111,9 +111,9 @@ def batch_features(base, batch: list[list[int]], layers: list[int], top_k: int) 
     for layer in layers:
         hidden = states[-1] if layer == -1 else states[layer + 1]
         tensors[f"hidden_{layer}"] = hidden.to(torch.bfloat16).cpu().contiguous()
-    logprobs = torch.log_softmax(out.logits.float(), dim=-1)
-    top = logprobs.topk(top_k, dim=-1)
-    tensors["top_logprobs"] = top.values.to(torch.float16).cpu().contiguous()
+    logits = out.logits.float()
+    top = logits.topk(top_k, dim=-1)  # then normalised: no (batch, length, vocab) log-softmax is written
+    tensors["top_logprobs"] = (top.values - logits.logsumexp(-1, keepdim=True)).to(torch.float16).cpu().contiguous()
     tensors["top_ids"] = top.indices.to(torch.int32).cpu().contiguous()
     return tensors
 
@@ -222,9 +222,9 @@ def main(argv=None) -> int:
     p.add_argument("--idle", action="store_true", help="run at idle CPU priority (a background job)")
     args = p.parse_args(argv)
     if args.idle:
-        os.nice(19)
-        if hasattr(os, "sched_setscheduler"):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        from ..runtime.build_worker import idle_priority
+
+        idle_priority()
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -141,7 +141,10 @@ def heads_agreement(heads, folder: Path, shards: list[dict], depths: int, max_to
 
 
 def train(drafter: FeatureDrafter, folder: Path, max_tokens: int, depths: int = 2, batch_size: int = 8,
-          lr: float = 5e-4, held_out_shards: int = 1, log_every: int = 50) -> dict:
+          lr: float = 5e-4, held_out_shards: int = 1, log_every: int = 50, bf16: bool = False) -> dict:
+    """Train `drafter` on the first `max_tokens` tokens of the extraction in `folder` (the last `held_out_shards`
+    shards held out); `bf16`: the forward and backward under CPU bfloat16 autocast (weights and optimizer in
+    fp32)."""
     folder = Path(folder)
     train_shards, eval_shards = shard_files(folder, held_out_shards)
     vocab = drafter._frozen["embed"].weight.shape[0]
@@ -161,7 +164,8 @@ def train(drafter: FeatureDrafter, folder: Path, max_tokens: int, depths: int = 
     start, seen, step, history = time.perf_counter(), 0, 0, []
     agree = [[0, 0] for _ in range(depths)]
     for batch in batches(folder, train_shards, max_tokens, batch_size):
-        loss, counts = drafter_loss(drafter, batch, targets, depths)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, counts = drafter_loss(drafter, batch, targets, depths)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -202,6 +206,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--held-out-shards", type=int, default=1)
+    p.add_argument("--bf16", action="store_true", help="CPU bfloat16 autocast (AVX-512 BF16 / AMX CPUs)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", required=True)
@@ -218,7 +223,7 @@ def main(argv=None) -> int:
         param.requires_grad_(False)
     drafter = FeatureDrafter(base, model.heads.draft_vocab)
     result = train(drafter, Path(args.features), args.max_tokens, args.depths, args.batch_size, args.lr,
-                   args.held_out_shards)
+                   args.held_out_shards, bf16=args.bf16)
     if model.config.head_type in ("ffn", "resblock"):  # the checkpoint's heads on the same held-out features
         _, held = shard_files(Path(args.features), args.held_out_shards)
         result["held_out"]["heads_agreement"] = heads_agreement(model.heads, Path(args.features), held,

@@ -1,0 +1,62 @@
+"""Timing-free draft quality of a feature-level drafter (`hf_bpd.feature_drafter`) along the base's greedy
+continuations: the block efficiency its chain drafts would reach in greedy decoding.
+
+Greedy decoding is exact, so along the base's own greedy continuation of a prompt every step's outcome is known: a
+step whose last token is at index L-1 drafts from the base's feature at L-2 (what produced that token), its drafts
+are accepted while they equal the continuation, and the base adds one token of its own. The features come from one
+base forward over prompt + continuation; the drafter's context (its KV cache over every earlier position, from the
+base's features) from one teacher-forced drafter pass, cut at each step's position, from which the drafter drafts
+`depth` tokens autoregressively, each reading the feature it predicted. `block_efficiency = new tokens / serial
+calls` (the prompt pass counts as a call that decodes one token), as in `hf_bpd.evaluation.analysis`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+
+@torch.no_grad()
+def base_features(base, ids: torch.Tensor) -> torch.Tensor:
+    """`(n, hidden)`: the base's final (normed) hidden state at every position of `ids (n,)`."""
+    out = base(input_ids=ids[None].to(base.device), output_hidden_states=True, use_cache=False)
+    return out.hidden_states[-1][0]
+
+
+@torch.no_grad()
+def chain_accepted_lengths(drafter, features: torch.Tensor, ids: torch.Tensor, prompt_length: int,
+                           depth: int) -> list[int]:
+    """Accepted draft tokens per verification step along `ids` (prompt + the base's greedy continuation)."""
+    n = len(ids)
+    if n - prompt_length < 2:
+        return []
+    dtype = drafter.fuse.weight.dtype
+    feats = features.to(dtype)[None]
+    positions = torch.arange(n)[None]
+    context = DynamicCache(config=drafter.config)
+    hidden = drafter(feats[:, :n - 1], ids[None, 1:], positions[:, :n - 1], context)  # (1, n-1, hidden)
+    layer = context.layers[0]
+    keys, values = layer.keys, layer.values
+    accepted, last = [], prompt_length + 1  # the prompt pass decoded token `prompt_length`
+    while last < n:
+        p = last - 2  # the position whose feature produced the last token
+        room = min(depth, n - last)
+        cache = DynamicCache(config=drafter.config)
+        cache.update(keys[:, :, :p + 1], values[:, :, :p + 1], 0)
+        state, count = hidden[:, p:p + 1], 0
+        for d in range(room):
+            token = drafter.to_vocab_ids(drafter.logits(state)[0, -1].argmax(-1))
+            if int(token) != int(ids[last + d]):
+                break
+            count += 1
+            if d + 1 < room:
+                state = drafter(state, token.view(1, 1), positions[:, p + 1 + d:p + 2 + d], cache)
+        accepted.append(count)
+        last += count + 1
+    return accepted
+
+
+def block_efficiency(runs: list[tuple[int, list[int]]]) -> float:
+    """Pooled over prompts, each `(new tokens, accepted lengths per step)`: new tokens / serial calls (the prompt
+    pass is one call)."""
+    return sum(new for new, _ in runs) / max(sum(len(steps) + 1 for _, steps in runs), 1)
