@@ -5,11 +5,12 @@ tokens between. A feature-level drafter conditions on what it drafts. At positio
 `f_j` (the final hidden state, what the output layer reads) fused with the embedding of token j+1:
 
     x_j = fuse([embed(token_{j+1}); f_j])           (2 * hidden -> hidden)
-    h_j = layer(x_j | x_{<j})                        (one decoder layer of the base's own class, causal, its own KV cache)
-    p(token_{j+2}) = softmax(output(norm(h_j)))      (the base's frozen output rows over the draft vocabulary)
+    h_j = norm(layer(x_j | x_{<j}))                  (one decoder layer of the base's own class, causal, its own KV
+                                                      cache, and a final norm: h_j lives where f_j does)
+    p(token_{j+2}) = softmax(output(h_j))            (the base's frozen output rows over the draft vocabulary)
 
-and `h_j` stands in for the base's feature `f_{j+1}` at the next drafting depth, so drafting d tokens costs d passes
-of one layer. The embedding, the output rows and the rotary tables are the base's, frozen and not stored; the fuse
+and `h_j` stands in for the base's feature `f_{j+1}` at the next drafting depth (training regresses it onto
+`f_{j+1}`), so drafting d tokens costs d passes of one layer. The embedding, the output rows and the rotary tables are the base's, frozen and not stored; the fuse
 projection, the layer and the norm are the drafter's (the layer and the norm start as copies of the base's last
 ones).
 
@@ -92,12 +93,13 @@ class FeatureDrafter(nn.Module):
         if cache is not None:
             mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None,
                                       **{CACHE_NAME: cache}, position_ids=position_ids)
-        return self.layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary,
-                          use_cache=cache is not None, **{CACHE_NAME: cache})
+        return self.norm(self.layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary,
+                                    use_cache=cache is not None, **{CACHE_NAME: cache}))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits of the drafter's hidden states."""
-        return nn.functional.linear(self.norm(hidden), self.output_weight())
+        """Draft-vocabulary logits of the drafter's hidden states (the output layer reads them as it reads the
+        base's features)."""
+        return nn.functional.linear(hidden, self.output_weight())
 
     def to_vocab_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]

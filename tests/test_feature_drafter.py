@@ -83,7 +83,7 @@ def test_timing_free_chain_acceptance_matches_drafting_from_scratch():
         drafter.fuse.weight[:, :32] = torch.eye(32)
         for p in drafter.layer.parameters():
             p.zero_()
-        drafter.norm.weight.copy_(base.model.norm.weight)
+        drafter.norm.weight.copy_(base.model.norm.weight)  # the embedding, normed as the base's feature is
     ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(3))
     ids = base.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=None)[0]
     features = drafter_quality.base_features(base, ids)
