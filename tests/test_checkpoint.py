@@ -86,17 +86,24 @@ def test_shipped_checkpoint_default_generate_is_exact(shipped):
     assert served > 0 and widest == COMPILED_DRAFT_SLOTS  # the paths and the copy fill the block
 
 
-def test_readme_main_job_prints_text_block_efficiency_and_speedup(shipped, capsys):
-    """`hf-bpd generate --model checkpoints/smollm2-135m-instruct-bpd --chat --compare`, shortened."""
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.artifacts)],
+                         ids=["eager", "compiled"])
+def test_readme_main_job_prints_text_block_efficiency_and_speedup(shipped, capsys, compiled):
+    """`hf-bpd generate --model checkpoints/smollm2-135m-instruct-bpd --chat --compare`, shortened: eagerly, and as
+    the README runs it (the compiled step install.sh built; every compiled row of the table runs compiled)."""
     from hf_bpd.cli import main
 
-    # --no-compile: the compiled default is covered above; compiling again in the CLI's own model would cost minutes
-    assert main(["generate", "--model", str(CHECKPOINT), "--chat", "--compare", "--max-new-tokens", "24",
-                 "--no-compile"]) == 0
+    assert main(["generate", "--model", str(CHECKPOINT), "--chat", "--compare", "--max-new-tokens", "24"] +
+                ([] if compiled else ["--no-compile"])) == 0
     out = capsys.readouterr().out
     assert "block efficiency:" in out and "speed-up:" in out and "identical output: True" in out
-    assert "| plain greedy generate() |" in out and "| bpd (heads' top-1 draft) |" in out
-    assert "| bpd + ngram + lookup, 8-best, 7 nodes (above) |" in out and "| NO |" not in out
+    assert "| plain greedy generate() |" in out and "| NO |" not in out
+    if compiled:
+        assert "verification: artifact" in out and "| plain decoding, compiled (use_heads=False, compile=True) |" in out
+        assert "| bpd (heads' top-1 draft, compiled) |" in out
+        assert "| bpd + ngram + lookup, 8-best, 7 nodes, compiled (above) |" in out
+    else:
+        assert "| bpd (heads' top-1 draft) |" in out and "| bpd + ngram + lookup, 8-best, 7 nodes (above) |" in out
 
 
 def test_shipped_gemma_checkpoint_is_exact_and_drafts(tmp_path):
