@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_bpd
 from hf_bpd.training import features
+from hf_bpd.training.data import held_out_prompts
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def test_features_are_the_bases_own_and_resume_exactly(tiny_chat_base, data, tmp
     sources, held = data
     tokenizer = hf_bpd.load_tokenizer(str(tiny_chat_base))
     base = AutoModelForCausalLM.from_pretrained(tiny_chat_base).eval()
-    held_out = features.held_out_prompts([held])
+    held_out = held_out_prompts([held])
     run = dict(held_out=held_out, layers=(0, -1), top_k=4, max_length=128, batch_size=2, shard_sequences=3)
     whole = features.extract_features(base, tokenizer, sources, tmp_path / "whole", 1500, **run)
     part = features.extract_features(base, tokenizer, sources, tmp_path / "part", 500, **run)

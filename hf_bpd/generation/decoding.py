@@ -253,15 +253,14 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
                 buckets = sorted({1, largest} if plan.schedule == "cost" else {largest})
                 top_k = head_top_k(drafter.top_k, model.config.draft_size) if heads is not None else 0
                 before = sum(runner.compiled_buckets.values()) + sum(runner.compiled_heads.values())
-                runner.warm_up(buckets, input_ids.device, heads, top_k, int8=plan.heads_int8,
-                               blocking=wait or runner.kind == "compiled")
+                blocking = wait or runner.kind == "compiled"  # an artifact runner compiles nothing unless asked
+                runner.warm_up(buckets, input_ids.device, heads, top_k, int8=plan.heads_int8, blocking=blocking)
                 plan.stats.compile_seconds = built + sum(runner.compiled_buckets.values()) + \
                     sum(runner.compiled_heads.values()) - before
                 verifier.buckets = buckets
                 plan.stats.verifier = runner.kind
                 if heads is not None:
-                    drafter.head_top = runner.heads_step(heads, top_k, int8=plan.heads_int8,
-                                                         blocking=wait or runner.kind == "compiled")
+                    drafter.head_top = runner.heads_step(heads, top_k, int8=plan.heads_int8, blocking=blocking)
         except Exception as err:  # noqa: BLE001 - a failing compiler must not break generation
             warnings.warn(f"hf_bpd: compiling failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
                           "decoding eagerly", stacklevel=3)
@@ -356,7 +355,7 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
 
     sequence = decoded.sequence
     cache = verifier.close(sequence.shape[1], sequence)
-    stats.reused_prompt_tokens = getattr(verifier, "reused", 0)
+    stats.reused_prompt_tokens = verifier.reused
     if referee is not None:
         stats.tie_checks, stats.tie_changes, stats.tie_seconds = referee.checks, referee.changed, referee.seconds
     if generation_config.return_dict_in_generate:

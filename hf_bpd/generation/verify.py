@@ -31,6 +31,7 @@ class EagerVerifier:
     """Verification with the base as it is, on a `DynamicCache`."""
 
     kind = "eager"
+    reused = 0  # prompt tokens not run by `prefill` (a compiled verifier's cache may hold them)
 
     def __init__(self, model, cache, attention_mask=None):
         self.model, self.base = model, model.base_lm
@@ -89,7 +90,7 @@ def compiled_verifier(model, needed_length: int, attention_mask=None, wait: bool
         warnings.warn(f"hf_bpd: compile=True is not used for this call ({reason}); decoding eagerly", stacklevel=4)
         return None
     artifact = None
-    if background.enabled() and artifacts.unsupported_reason(base) is None:
+    if artifacts.enabled() and artifacts.unsupported_reason(base) is None:
         if wait:
             artifact = artifacts.load(base, again=True)
             if artifact is None:

@@ -60,6 +60,11 @@ AttentionInterface.register(ATTENTION_NAME, attended_sdpa_forward)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
+def enabled() -> bool:
+    """Whether artifacts are used at all (`HF_BPD_ARTIFACTS=0`: never; `compile=True` then compiles in-process)."""
+    return os.environ.get("HF_BPD_ARTIFACTS", "1") != "0"
+
+
 def artifacts_dir() -> Path:
     from ..hub.locate import cache_dir
 
@@ -248,7 +253,7 @@ def load(base, threads: int | None = None, again: bool = False) -> Artifact | No
 def preload(base, generation_config=None) -> None:
     """Load `base`'s artifact now (at `from_pretrained`) when its generation config compiles and one is built, so the
     first `generate()` runs at full speed; nothing when none is built (`HF_BPD_ARTIFACTS=0`: never)."""
-    if getattr(generation_config, "compile", False) and os.environ.get("HF_BPD_ARTIFACTS", "1") != "0":
+    if getattr(generation_config, "compile", False) and enabled():
         load(base)
 
 

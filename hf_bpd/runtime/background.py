@@ -48,10 +48,6 @@ _TOLD: set[Path] = set()  # folders whose build this process has announced (one 
 _LOCK = threading.Lock()
 
 
-def enabled() -> bool:
-    return os.environ.get("HF_BPD_ARTIFACTS", "1") != "0"
-
-
 def _lock_held(directory: Path) -> bool:
     """Whether some process is building in `directory` (holds its lock)."""
     import fcntl
@@ -78,9 +74,9 @@ def building(directory: Path) -> bool:
     return directory.is_dir() and _lock_held(directory)
 
 
-def ready_artifact(base, start: bool = True):
+def ready_artifact(base):
     """`base`'s artifact if it is loaded or built by now, else None, after starting its build in the background
-    (`start`) unless one is under way or the last one failed."""
+    unless one is under way or the last one failed."""
     artifact = artifacts.load(base)
     if artifact is not None or artifacts.unsupported_reason(base) is not None:
         return artifact
@@ -100,8 +96,7 @@ def ready_artifact(base, start: bool = True):
                 logger.warning("hf_bpd: the compiled step's background build failed (%s); decoding eagerly. "
                                "`hf-bpd compile CHECKPOINT` builds it in the foreground", error[0][:200])
             return None
-        if start:
-            start_build(base, key, directory)
+        start_build(base, key, directory)
     return None
 
 
@@ -141,7 +136,8 @@ def start_build(base, key: dict, directory: Path) -> None:
 
 
 def wait(directory: Path, timeout: float | None = None) -> bool:
-    """Wait for this process's worker of `directory` (tests, `compile="wait"`); True when it finished."""
+    """Wait for this process's worker of `directory`; True when it finished. (`compile="wait"` waits through the
+    artifact's file lock instead, for a build started by any process.)"""
     worker = _WORKERS.get(directory)
     if isinstance(worker, threading.Thread):
         worker.join(timeout)

@@ -360,6 +360,7 @@ class CompiledVerifier:
         self.model, self.base, self.runner = model, model.base_lm, runner
         self.cache = runner.cache
         self.length = 0  # tokens in the cache
+        self.reused = 0  # prompt tokens the cache held from the last call (`prefill`)
         self.buckets = [1]  # the compiled block lengths this call uses; a block is padded to the next one
         self._masks: dict[int, list] = {}  # block length -> [mask buffer, open columns, written columns]
         self._patterns: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # tree shape -> (depths, block mask)

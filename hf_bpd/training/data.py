@@ -66,6 +66,11 @@ def load_prompts(path: str | Path, source: str | None = None) -> list[dict]:
     return out
 
 
+def held_out_prompts(paths) -> set[str]:
+    """The prompts of the given prompt files (the benchmark, dev and tuning prompts): never trained on."""
+    return {r["prompt"] for path in paths for r in load_prompts(path)}
+
+
 def conversation_messages(record: dict) -> list[dict]:
     """A ShareGPT or Alpaca record as chat messages."""
     if record.get("conversations"):

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .data import _records, conversation_messages, load_prompts, record_prompt
+from .data import _records, conversation_messages, held_out_prompts, record_prompt
 
 logger = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -88,11 +88,6 @@ def sequence_stream(sources: list[str], tokenizer, held_out: set[str], max_lengt
                 yield next(it)
             except StopIteration:
                 iterators.remove(it)
-
-
-def held_out_prompts(paths: list[str]) -> set[str]:
-    """The prompts of the benchmark / dev / tune files: never in the training stream."""
-    return {r["prompt"].strip() for path in paths for r in load_prompts(path)}
 
 
 @torch.no_grad()

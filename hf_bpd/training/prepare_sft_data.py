@@ -11,7 +11,7 @@ from pathlib import Path
 
 from datasets import load_dataset
 
-from .data import conversation_messages, load_prompts, record_prompt
+from .data import conversation_messages, held_out_prompts, record_prompt
 from .make_dev_split import SOURCES, shuffled
 
 
@@ -25,7 +25,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="data/sft_mix.jsonl")
     args = p.parse_args(argv)
-    held_out = {r["prompt"] for path in args.exclude for r in load_prompts(path)}
+    held_out = held_out_prompts(args.exclude)
     rows, skipped = [], 0
     for category, name in SOURCES.items():
         records = shuffled(load_dataset("json", data_files=str(Path(args.data) / name), split="train"), args.seed)

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from ..cli.common import load_for_generation
-from .data import load_prompts
+from .data import held_out_prompts, load_prompts
 from .make_dev_split import shuffled
 
 
@@ -69,7 +69,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    held_out = {r["prompt"] for path in args.exclude for r in load_prompts(path)}
+    held_out = held_out_prompts(args.exclude)
     sources = []
     for path in args.prompts:
         sources.append(shuffled([r for r in load_prompts(path) if r["prompt"] not in held_out], args.seed))

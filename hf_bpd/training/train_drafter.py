@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,14 +26,17 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..feature_drafter import FeatureDrafter
-from .features import MANIFEST
+from .features import MANIFEST, read_manifest
 
 logger = logging.getLogger(__name__)
 
 
 def shard_files(folder: Path, held_out: int) -> tuple[list[dict], list[dict]]:
     """`(training shards, held-out shards)`: the last `held_out` shards of the extraction are never trained on."""
-    shards = json.loads((folder / MANIFEST).read_text())["shards"]
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise ValueError(f"{folder} holds no {MANIFEST}: extract features into it first (training/extract_features.py)")
+    shards = manifest["shards"]
     if len(shards) <= held_out:
         raise ValueError(f"{folder} has {len(shards)} shards: extract more (or pass a smaller --held-out-shards)")
     return shards[:len(shards) - held_out], shards[len(shards) - held_out:]
@@ -228,8 +232,7 @@ def main(argv=None) -> int:
         _, held = shard_files(Path(args.features), args.held_out_shards)
         result["held_out"]["heads_agreement"] = heads_agreement(model.heads, Path(args.features), held,
                                                                 args.depths)
-    result["command"] = "python training/train_drafter.py " + " ".join(argv if argv is not None else
-                                                                        __import__("sys").argv[1:])
+    result["command"] = "python training/train_drafter.py " + " ".join(argv if argv is not None else sys.argv[1:])
     save_drafter(drafter, Path(args.output), result)
     print(json.dumps({k: v for k, v in result.items() if k != "history"}, indent=1))
     return 0
