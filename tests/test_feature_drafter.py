@@ -58,7 +58,8 @@ def test_training_on_features_teaches_the_bases_next_tokens(tiny_chat_base, tmp_
     drafter = FeatureDrafter(base, draft_vocab=vocab)  # a draft vocabulary: the tokens the data uses
     shards_train, shards_eval = train_drafter.shard_files(folder, 1)
     targets = train_drafter.DraftTargets(vocab, base.config.vocab_size)
-    before = train_drafter.evaluate(drafter, folder, shards_eval, targets, depths=2)
+    held_out = list(train_drafter.batches(folder, shards_eval, 200_000, 8))
+    before = train_drafter.evaluate(drafter, lambda m, b: train_drafter.drafter_loss(m, b, targets, 2), held_out)
     result = train_drafter.train(drafter, folder, max_tokens=3500, depths=2, batch_size=4, lr=1e-2, log_every=5)
     after = result["held_out"]
     assert after["loss"] < before["loss"]
@@ -145,3 +146,56 @@ def test_the_scripts_extract_train_and_measure(tiny_chat_base, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [r for r in json.loads((tmp_path / "dq.json").read_text())["results"] if "drafter" in r]
     assert [r["depth"] for r in rows] == [2, 3] and all(1.0 <= r["block_efficiency"] <= 4.0 for r in rows)
+
+
+def test_online_training_side_by_side_with_heads(tiny_chat_base, tmp_path):
+    """`training/train_drafter.py --online`: the base's features computed while training, two budgets of a drafter
+    and of fresh heads trained side by side on one pass, each saved (bf16) with its held-out agreement and its chain
+    block efficiency along greedy references; the saved heads load as a checkpoint and decode exactly."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hf_bpd import BlockwiseParallelForCausalLM
+
+    root = Path(__file__).resolve().parents[1]
+    base = AutoModelForCausalLM.from_pretrained(tiny_chat_base).eval()
+    checkpoint = tmp_path / "ckpt"
+    vocab = list(range(2, 400))
+    BlockwiseParallelForCausalLM.from_base(base, num_heads=2, head_type="ffn", head_intermediate_size=48,
+                                           draft_vocab=vocab).save_pretrained(checkpoint)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"instruction": f"Say {i}.", "output": f"{i} " * 40}) + "\n"
+                             for i in range(40)))
+    tokenizer = hf_bpd.load_tokenizer(str(tiny_chat_base))
+    refs = tmp_path / "refs.jsonl"
+    with open(refs, "w") as f:
+        for i in range(2):
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"Say {i}."}],
+                                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)
+            out = base.generate(**prompt, max_new_tokens=12, do_sample=False)
+            f.write(json.dumps({"id": str(i), "max_new_tokens": 12, "prompt_tokens": prompt["input_ids"].shape[1],
+                                "ids": out[0].tolist()}) + "\n")
+    done = subprocess.run(
+        [sys.executable, "training/train_drafter.py", "--online", "--sources", f"{chats}*2", "--exclude",
+         "--checkpoint", str(checkpoint), "--max-tokens", "800", "1600", "--heads", "--depths", "2",
+         "--batch-size", "4", "--held-out-sequences", "4", "--dev-references", str(refs), "--dev-depth", "3",
+         "--save-dtype", "bf16", "--threads", "1", "--output", str(tmp_path / "curve")],
+        cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    names = sorted(p.name for p in (tmp_path / "curve").iterdir())
+    assert names == ["drafter-0.8k", "drafter-1.6k", "heads-0.8k", "heads-1.6k"]
+    for name in names:
+        record = json.loads((tmp_path / "curve" / name / "training.json").read_text())
+        assert record["tokens"] >= record["budget"] and len(record["held_out"]["agreement"]) == 2
+        assert 1.0 <= record["dev_chain_block_efficiency"] <= 4.0
+        assert record["data"].startswith("online: ")
+    state = load_file(tmp_path / "curve" / "drafter-1.6k" / "drafter.safetensors")
+    assert state["fuse.weight"].dtype == torch.bfloat16 and state["draft_vocab"].tolist() == vocab
+    assert json.loads(done.stdout)["checkpoint_heads"]["held_out"]["agreement"]
+    model = BlockwiseParallelForCausalLM.from_pretrained(tmp_path / "curve" / "heads-1.6k", base_model=base)
+    prompt = torch.tensor([[1, 5, 9, 14]])
+    want = base.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=None)
+    got = model.generate(prompt, max_new_tokens=10, do_sample=False, compile=False, eos_token_id=None,
+                         pad_token_id=None)
+    assert got.tolist() == want.tolist()

@@ -32,11 +32,12 @@ def chain_accepted_lengths(drafter, features: torch.Tensor, ids: torch.Tensor, p
         return []
     dtype = drafter.fuse.weight.dtype
     feats = features.to(dtype)[None]
-    positions = torch.arange(n)[None]
+    positions = torch.arange(n, device=feats.device)[None]
     context = DynamicCache(config=drafter.config)
     hidden = drafter(feats[:, :n - 1], ids[None, 1:], positions[:, :n - 1], context)  # (1, n-1, hidden)
     layer = context.layers[0]
     keys, values = layer.keys, layer.values
+    reference = ids.tolist()
     accepted, last = [], prompt_length + 1  # the prompt pass decoded token `prompt_length`
     while last < n:
         p = last - 2  # the position whose feature produced the last token
@@ -46,7 +47,7 @@ def chain_accepted_lengths(drafter, features: torch.Tensor, ids: torch.Tensor, p
         state, count = hidden[:, p:p + 1], 0
         for d in range(room):
             token = drafter.to_vocab_ids(drafter.logits(state)[0, -1].argmax(-1))
-            if int(token) != int(ids[last + d]):
+            if int(token) != reference[last + d]:
                 break
             count += 1
             if d + 1 < room:
@@ -60,3 +61,49 @@ def block_efficiency(runs: list[tuple[int, list[int]]]) -> float:
     """Pooled over prompts, each `(new tokens, accepted lengths per step)`: new tokens / serial calls (the prompt
     pass is one call)."""
     return sum(new for new, _ in runs) / max(sum(len(steps) + 1 for _, steps in runs), 1)
+
+
+@torch.no_grad()
+def heads_chain_accepted_lengths(heads, features: torch.Tensor, ids: torch.Tensor, prompt_length: int) -> list[int]:
+    """The same for independent drafting heads (`hf_bpd.heads.DraftHeads`, vanilla BPD: each head's argmax): a
+    step whose last token is at index L-1 drafts from the base's feature at L-2, head d guessing token L-1+d."""
+    n = len(ids)
+    if n - prompt_length < 2:
+        return []
+    dtype = next(heads.parameters()).dtype
+    guesses = heads.to_vocab_ids(heads(features.to(dtype)[None]).argmax(-1))[0].tolist()  # (heads, n)
+    ids = ids.tolist()
+    accepted, last = [], prompt_length + 1
+    while last < n:
+        p, count = last - 2, 0
+        for d in range(min(len(guesses), n - last)):
+            if guesses[d][p] != ids[last + d]:
+                break
+            count += 1
+        accepted.append(count)
+        last += count + 1
+    return accepted
+
+
+def read_references(path) -> list[tuple[torch.Tensor, int]]:
+    """`(prompt + greedy continuation ids, prompt length)` per row of a references JSONL written by
+    `benchmarks/draft_quality.py`."""
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [(torch.tensor(r["ids"]), int(r["prompt_tokens"])) for r in rows]
+
+
+@torch.no_grad()
+def chain_block_efficiency(model, along: list[tuple[torch.Tensor, int, torch.Tensor]], depth: int = 4) -> float:
+    """Block efficiency of `model`'s chain drafts (a `FeatureDrafter` at `depth`, or drafting heads: all of them)
+    along `[(ids, prompt length, base features)]`."""
+    runs = []
+    for ids, n, feats in along:
+        if hasattr(model, "fuse"):
+            steps = chain_accepted_lengths(model, feats, ids.to(feats.device), n, depth)
+        else:
+            steps = heads_chain_accepted_lengths(model, feats, ids, n)
+        runs.append((len(ids) - n, steps))
+    return block_efficiency(runs)

@@ -78,21 +78,40 @@ def wikipedia_sequences(path: str | Path, tokenizer, max_length: int) -> Iterato
                 lines.append(line.rstrip("\n"))
 
 
+def source_weight(source: str) -> tuple[str, int]:
+    """`"PATH*N"` -> `(PATH, N)`: N sequences of that source per round (`"PATH"`: one)."""
+    path, star, weight = str(source).rpartition("*")
+    if star and weight.isdigit() and int(weight) > 0:
+        return path, int(weight)
+    return str(source), 1
+
+
 def sequence_stream(sources: list[str], tokenizer, held_out: set[str], max_length: int) -> Iterator[list[int]]:
-    """The sources' sequences interleaved round-robin (a source that runs out drops out)."""
-    iterators = [wikipedia_sequences(s, tokenizer, max_length) if "wiki" in Path(s).name
-                 else chat_sequences(s, tokenizer, held_out, max_length) for s in sources]
+    """The sources' sequences interleaved round-robin, `PATH*N` giving N per round (a source that runs out drops
+    out)."""
+    iterators = []
+    for source in sources:
+        path, weight = source_weight(source)
+        if not Path(path).exists():
+            raise ValueError(f"feature source {path} does not exist: pass existing files to --sources")
+        it = (wikipedia_sequences(path, tokenizer, max_length) if "wiki" in Path(path).name
+              else chat_sequences(path, tokenizer, held_out, max_length))
+        iterators.append([it, weight])
     while iterators:
-        for it in list(iterators):
-            try:
-                yield next(it)
-            except StopIteration:
-                iterators.remove(it)
+        for entry in list(iterators):
+            for _ in range(entry[1]):
+                try:
+                    yield next(entry[0])
+                except StopIteration:
+                    iterators.remove(entry)
+                    break
 
 
 @torch.no_grad()
-def batch_features(base, batch: list[list[int]], layers: list[int], top_k: int) -> dict[str, torch.Tensor]:
-    """One forward over a right-padded batch: the shard tensors of the table in the module docstring."""
+def batch_features(base, batch: list[list[int]], layers: list[int], top_k: int,
+                   on_device: bool = False) -> dict[str, torch.Tensor]:
+    """One forward over a right-padded batch: the shard tensors of the table in the module docstring (`on_device`:
+    left on the base's device, hidden states in the base's dtype, for training online)."""
     length = max(len(s) for s in batch)
     ids = torch.zeros(len(batch), length, dtype=torch.long)
     mask = torch.zeros(len(batch), length, dtype=torch.long)
@@ -105,12 +124,37 @@ def batch_features(base, batch: list[list[int]], layers: list[int], top_k: int) 
     tensors = {"input_ids": ids.to(torch.int32), "lengths": mask.sum(1).to(torch.int32)}
     for layer in layers:
         hidden = states[-1] if layer == -1 else states[layer + 1]
-        tensors[f"hidden_{layer}"] = hidden.to(torch.bfloat16).cpu().contiguous()
+        tensors[f"hidden_{layer}"] = hidden if on_device else hidden.to(torch.bfloat16)
     logits = out.logits.float()
     top = logits.topk(top_k, dim=-1)  # then normalised: no (batch, length, vocab) log-softmax is written
-    tensors["top_logprobs"] = (top.values - logits.logsumexp(-1, keepdim=True)).to(torch.float16).cpu().contiguous()
-    tensors["top_ids"] = top.indices.to(torch.int32).cpu().contiguous()
-    return tensors
+    tensors["top_logprobs"] = (top.values - logits.logsumexp(-1, keepdim=True)).to(torch.float16)
+    tensors["top_ids"] = top.indices.to(torch.int32)
+    if on_device:
+        return {k: v.to(device) for k, v in tensors.items()}
+    return {k: v.cpu().contiguous() for k, v in tensors.items()}
+
+
+def online_batches(base, stream: Iterator[list[int]], max_tokens: int, batch_size: int, top_k: int = 8,
+                   pool: int = 256, seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """Feature batches computed on the fly (training without stored features), on the base's device: `pool`
+    sequences at a time from `stream`, batched by length, the batches in a seeded random order, until `max_tokens`
+    tokens were given."""
+    import itertools
+    import random
+
+    rng, given = random.Random(seed), 0
+    while given < max_tokens:
+        sequences = sorted(itertools.islice(stream, pool), key=len)
+        if not sequences:
+            return
+        groups = [sequences[i:i + batch_size] for i in range(0, len(sequences), batch_size)]
+        rng.shuffle(groups)
+        for group in groups:
+            if given >= max_tokens:
+                return
+            batch = batch_features(base, group, [-1], top_k, on_device=True)
+            given += int(batch["lengths"].sum())
+            yield batch
 
 
 def read_manifest(folder: Path) -> dict | None:
