@@ -77,9 +77,31 @@ class FeatureDrafter(nn.Module):
         drafter.load_state_dict(state)
         return drafter.eval()
 
+    def save(self, folder, dtype: torch.dtype | None = torch.bfloat16) -> None:
+        """`drafter.safetensors` in `folder`: the drafter's own weights (in `dtype`; None: as they are) and its draft
+        vocabulary."""
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to("cpu", dtype if dtype is not None and v.is_floating_point() else v.dtype)
+                 .contiguous() for k, v in self.state_dict().items() if v is not None}
+        save_file(state, str(Path(folder) / "drafter.safetensors"))
+
     def output_weight(self) -> torch.Tensor:
+        """The output layer's draft-vocabulary rows (gathered once while the output layer's weight is unchanged;
+        in training, gathered every time, so its gradient path stays intact)."""
         weight = self._frozen["output"].weight
-        return weight if self.draft_vocab is None else weight[self.draft_vocab]
+        if self.draft_vocab is None:
+            return weight
+        if self.training or torch.is_grad_enabled():
+            return weight[self.draft_vocab]
+        key = (weight.data_ptr(), weight._version, weight.device, weight.dtype, self.draft_vocab.data_ptr())
+        cached = self._frozen.get("rows")
+        if cached is None or cached[0] != key:
+            cached = self._frozen["rows"] = (key, weight[self.draft_vocab])
+        return cached[1]
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, position_ids: torch.Tensor,
                 cache=None) -> torch.Tensor:

@@ -6,7 +6,6 @@ The model class only loads, saves and runs the heads; decoding lives in `hf_bpd.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import os
@@ -24,29 +23,14 @@ from .generation.config import BlockwiseGenerationConfig, drafting_options, load
 from .generation.decoding import blockwise_decoding, check_inputs, plan_call
 from .generation.stats import GenerationStats, finish_stats
 from .generation.stopping import stop_strings_as_criteria
-from .heads import CACHE_NAME, BlockwiseParallelOutput, DraftHeads, next_token_loss
+from .heads import CACHE_NAME, BlockwiseParallelOutput, DraftHeads, heads_placement, next_token_loss
 from .runtime.artifacts import preload as preload_artifact
-from .hub.bundled import attach_rescorer, bundle_fields, inside, load_heads_config, merge_base_adapter
+from .hub.bundled import (attach_rescorer, bundle_fields, inside, load_bundled, load_feature_drafter,
+                          load_heads_config, merge_base_adapter)
 from .hub.base_models import check_causal_lm, check_fingerprint, fingerprint, load_base_model
 from .hub.checkpoints import load_heads_state, push_saved, resolve_checkpoint_dir, save_checkpoint
 
 logger = logging.get_logger(__name__)
-
-
-def heads_placement(base_model: PreTrainedModel) -> dict:
-    """Where the heads live: on the device of the base's output layer (the last stage under a `device_map`; the heads
-    read its input and share its weights) and in its dtype; fp32 when that layer holds no floating-point weights."""
-    weight = base_model.get_output_embeddings().weight
-    return {"device": weight.device, "dtype": weight.dtype if weight.is_floating_point() else torch.float32}
-
-
-@contextlib.contextmanager
-def _hooked(module, pre_hook):
-    handle = module.register_forward_pre_hook(pre_hook)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
@@ -89,6 +73,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         self.generation_config = BlockwiseGenerationConfig.from_base(base_model.generation_config)
         self.last_generation_stats: GenerationStats | None = None
         self.bundled_rescorers: dict = {}  # name -> Rescorer loaded from this checkpoint
+        self._feature_drafter: list = []  # a FeatureDrafter, held outside the module tree (not in the state dict)
         self._bundle_sources: dict[str, Path] = {}
 
     def _init_weights(self, module):  # the base arrives initialised; heads initialise themselves
@@ -163,12 +148,20 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         model.heads.load_state_dict(load_heads_state(directory, model.heads, config.draft_vocab), strict=True)
         config.draft_vocab = None  # from here on the ids live in the heads' state
         model.generation_config = load_generation_config(directory, base_model, config)
-        for name, spec in config.rescorers.items():
-            attach_rescorer(model, name, inside(directory, spec["path"], f"rescorers.{name}.path"),
-                            {k: v for k, v in spec.items() if k != "path"})
+        load_bundled(model, directory)  # rescorers, a feature-level drafter
         model.eval()
         preload_artifact(model.base_lm, model.generation_config)  # a step `hf-bpd compile` built
         return model
+
+    @property
+    def feature_drafter(self):
+        """The feature-level drafter `generate(drafter="feature")` drafts with (`hf_bpd.feature_drafter`), or None."""
+        return self._feature_drafter[0] if self._feature_drafter else None
+
+    def load_feature_drafter(self, folder: str | os.PathLike) -> None:
+        """Attach the feature-level drafter `training/train_drafter.py` saved in `folder`; `save_pretrained` then
+        stores it in the checkpoint's `feature_drafter/`."""
+        self._feature_drafter = [load_feature_drafter(self.base_lm, Path(folder))]
 
     def bundle_rescorer(self, name: str, path: str | os.PathLike, alpha: float = 1.0, **fields) -> None:
         """Attach the rescorer `name` (registered: `hf_bpd.available_rescorers()`) stored at `path`, with its tuned
@@ -243,8 +236,11 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
 
         given = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                      inputs_embeds=inputs_embeds, use_cache=use_cache, **{CACHE_NAME: cache})
-        with _hooked(self.base_lm.get_output_embeddings(), keep_hidden):
+        handle = self.base_lm.get_output_embeddings().register_forward_pre_hook(keep_hidden)
+        try:
             base_out = self.base_lm(**{k: v for k, v in given.items() if v is not None}, **kwargs)
+        finally:
+            handle.remove()
         hidden = captured["hidden"]
         n = self.config.num_heads if num_heads is None else num_heads
         head_logits = self.heads(hidden, n, tokens=input_ids) if return_head_logits else None

@@ -106,6 +106,8 @@ BAD_ARGS = [
     (["generate", "--model", "{heads}", "--draft-nodes", "300"], "draft_nodes must be an integer in [1, 256]"),
     (["generate", "--model", "{heads}", "--draft-nodes", "3", "--tree", "2,1"], "tree= fixes the verified nodes"),
     (["generate", "--model", "{base}", "--draft-nodes", "3"], "plain base model"),
+    (["generate", "--model", "{heads}", "--drafter", "feature"], "needs a feature-level drafter"),
+    (["generate", "--model", "{heads}", "--drafter", "feature", "--num-drafts", "2"], "num_drafts would be ignored"),
     (["bench", "--questions", "{questions}", "--draft-nodes", "0"], "--draft-nodes must be >= 1"),
 ]
 
@@ -142,7 +144,7 @@ def test_generate_with_heads_prints_a_side_by_side_table(tiny, capsys):
 def test_bench_command_writes_table_json_and_plots(tiny, tmp_path, capsys):
     out = tmp_path / "out" / "bench.json"
     code = run_main(["bench", "--model", tiny["heads"], "--questions", tiny["questions"], "--limit", "2",
-                     "--max-new-tokens", "8", "--methods", "pld,bpd,tree,bpd+ngram", "--tree", "2,2",
+                     "--max-new-tokens", "8", "--methods", "pld,bpd,tree,bpd+ngram,feature", "--tree", "2,2",
                      "--threads", "1", "--output", str(out), "--plot", str(tmp_path / "plots"), "--no-progress"])
     stdout = capsys.readouterr().out
     assert code == 0
@@ -151,7 +153,7 @@ def test_bench_command_writes_table_json_and_plots(tiny, tmp_path, capsys):
     assert {"settings", "machine", "methods", "skipped", "summary", "by_category", "samples"} <= set(report)
     assert {"cpu", "threads", "torch", "transformers"} <= set(report["machine"]) and report["machine"]["threads"] == 1
     assert report["settings"]["chat"] is True and report["settings"]["tree"] == [2, 2]
-    assert report["methods"] == ["ar", "pld", "bpd", "tree"] and list(report["skipped"]) == ["bpd+ngram"]
+    assert report["methods"] == ["ar", "pld", "bpd", "tree"] and list(report["skipped"]) == ["bpd+ngram", "feature"]
     for row in report["summary"]:
         assert set(row) == SUMMARY_KEYS and row["exact"] is True
     assert len(report["samples"]) == 2 * 4

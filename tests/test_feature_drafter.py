@@ -199,3 +199,80 @@ def test_online_training_side_by_side_with_heads(tiny_chat_base, tmp_path):
     got = model.generate(prompt, max_new_tokens=10, do_sample=False, compile=False, eos_token_id=None,
                          pad_token_id=None)
     assert got.tolist() == want.tolist()
+
+
+def _repeating_model(tmp_path):
+    """A tiny heads model whose base repeats itself (sharpened), with a feature-level drafter that predicts the
+    token it reads: many of its drafts are accepted."""
+    from hf_bpd import BlockwiseParallelForCausalLM
+
+    base = tiny_base("llama")
+    with torch.no_grad():
+        base.model.norm.weight.mul_(30)
+    model = BlockwiseParallelForCausalLM.from_base(base, num_heads=2).eval()
+    drafter = FeatureDrafter(base)
+    with torch.no_grad():
+        drafter.fuse.weight.zero_()
+        drafter.fuse.weight[:, :32] = torch.eye(32)
+        for p in drafter.layer.parameters():
+            p.zero_()
+        drafter.norm.weight.copy_(base.model.norm.weight)
+    drafter.save(tmp_path / "drafter", dtype=None)
+    model.load_feature_drafter(tmp_path / "drafter")
+    return model
+
+
+@pytest.mark.parametrize("options", [{}, {"prompt_lookup": True}, {"draft_depth": 1}, {"draft_depth": 6},
+                                     {"compile": True}])
+def test_generate_with_the_feature_drafter_equals_greedy_decoding(tmp_path, options):
+    model = _repeating_model(tmp_path)
+    base = model.base_lm
+    for seed in range(3):
+        prompt = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(seed))
+        want = base.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=None)
+        got = model.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=None,
+                             drafter="feature", **options)
+        assert got.tolist() == want.tolist()
+        stats = model.last_generation_stats
+        assert stats.method.startswith("feature-chain") and max(stats.accepted_lengths) > 0
+        assert max(stats.accepted_lengths) <= options.get("draft_depth", 4) and stats.verifier == "eager"
+
+
+def test_a_checkpoint_keeps_its_feature_drafter(tmp_path):
+    """`save_pretrained` stores the drafter in `feature_drafter/` (bf16), `from_pretrained` loads it, and a
+    checkpoint without one says what to do."""
+    from hf_bpd import BlockwiseParallelForCausalLM
+
+    model = _repeating_model(tmp_path)
+    model.base_lm.save_pretrained(tmp_path / "base")
+    model.config.base_model_name_or_path = str(tmp_path / "base")
+    model.save_pretrained(tmp_path / "ckpt")
+    state = load_file(tmp_path / "ckpt" / "feature_drafter" / "drafter.safetensors")
+    assert state["fuse.weight"].dtype == torch.bfloat16
+    again = BlockwiseParallelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    assert again.feature_drafter is not None
+    assert torch.equal(again.feature_drafter.fuse.weight, model.feature_drafter.fuse.weight.bfloat16().float())
+    prompt = torch.tensor([[5, 9, 14, 20]])
+    want = again.base_lm.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=None)
+    assert again.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=None,
+                          drafter="feature").tolist() == want.tolist()
+    plain = BlockwiseParallelForCausalLM.from_base(tiny_base("llama"), num_heads=2)
+    with pytest.raises(hf_bpd.BPDConfigError, match="needs a feature-level drafter"):
+        plain.generate(prompt, max_new_tokens=4, drafter="feature")
+    with pytest.raises(hf_bpd.CheckpointError, match="no drafter.safetensors"):
+        plain.load_feature_drafter(tmp_path)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"drafter": "feature", "num_drafts": 2}, "num_drafts would be ignored"),
+    ({"drafter": "feature", "rescorer": "ngram"}, "rescorer would be ignored"),
+    ({"draft_depth": 3}, "pass drafter='feature'"),
+    ({"drafter": "eagle"}, "drafter must be 'heads' or 'feature'"),
+    ({"drafter": "feature", "draft_depth": 0}, "draft_depth"),
+])
+def test_feature_drafting_options_are_checked(tmp_path, options, message):
+    model = _repeating_model(tmp_path)
+    with pytest.raises((hf_bpd.BPDConfigError, hf_bpd.BPDTypeError), match=message):
+        model.generate(torch.tensor([[5, 9, 14]]), max_new_tokens=4, **options)
+    with pytest.raises(hf_bpd.BPDConfigError, match="one prompt at a time"):
+        model.generate(torch.tensor([[5, 9, 14], [6, 7, 8]]), max_new_tokens=4, drafter="feature")

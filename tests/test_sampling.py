@@ -12,13 +12,14 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hf_bpd import BlockwiseParallelForCausalLM, sparse_tree
+from hf_bpd.feature_drafter import FeatureDrafter
 
 V, NEW, N = 5, 3, 5000
 PROMPT = torch.tensor([[1, 3, 0, 2]])
 
 
 @pytest.fixture(scope="module")
-def model():
+def model(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: threads only add overhead
     torch.manual_seed(0)
@@ -32,6 +33,13 @@ def model():
     with torch.no_grad():
         for p in model.heads.parameters():
             p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    drafter = FeatureDrafter(base)  # a random feature-level drafter too (drafter="feature")
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    folder = tmp_path_factory.mktemp("feature-drafter")
+    drafter.save(folder, dtype=None)
+    model.load_feature_drafter(folder)
     yield model.eval()
     torch.set_num_threads(threads)
 
@@ -73,7 +81,9 @@ def chi2_pvalue(counts, probs, group=lambda o: o):
 
 MODES = {"chain": {}, "tree": {"tree": sparse_tree((3, 2))}, "pbest": {"num_drafts": 3, "draft_top_k": 3},
          # the shipped default's shape: p-best paths and prompt lookup's copy competing for a node budget
-         "nodes": {"num_drafts": 3, "draft_top_k": 3, "draft_nodes": 3, "prompt_lookup": True}}
+         "nodes": {"num_drafts": 3, "draft_top_k": 3, "draft_nodes": 3, "prompt_lookup": True},
+         # the feature-level drafter's chain and prompt lookup's copy
+         "feature": {"drafter": "feature", "draft_depth": 2, "prompt_lookup": True}}
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
@@ -88,12 +98,14 @@ def test_bpd_sampling_matches_the_base_distribution(model, mode, temperature):
         assert p > 1e-3, f"{mode} T={temperature}: {name} distribution differs from the base (p={p:.2e})"
 
 
-def test_drafts_are_really_accepted_while_sampling(model):
-    """The heads' drafts are accepted often enough that the test above exercises acceptance and rejection."""
+@pytest.mark.parametrize("mode", ["chain", "feature"])
+def test_drafts_are_really_accepted_while_sampling(model, mode):
+    """The heads' (and the feature-level drafter's) drafts are accepted often enough that the test above exercises
+    acceptance and rejection."""
     torch.manual_seed(0)
     accepted = rejected = 0
     for _ in range(200):
-        model.generate(PROMPT, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=NEW)
+        model.generate(PROMPT, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=NEW, **MODES[mode])
         steps = model.last_generation_stats.accepted_lengths[1:]
         accepted += sum(1 for a in steps if a > 0)
         rejected += sum(1 for a in steps if a == 0)

@@ -109,6 +109,29 @@ COMMON = ["--num-heads", "2", "--draft-vocab-size", "64", "--batch-size", "4", "
           "--eval-fraction", "0.1", "--log-steps", "5"]
 
 
+def test_prompt_files_read_without_datasets(tmp_path):
+    """`load_prompts` reads JSON arrays and (gzipped) JSON lines itself: a prompt holding a Unicode line separator
+    stays one record, records missing a key read it as None (as `datasets` gives them), and a file that is not JSON
+    records is a one-line error."""
+    import gzip
+
+    from hf_bpd.training.data import _records, load_prompts
+
+    rows = [{"instruction": "Split\u2028here\x85and here?", "id": "a-1"}, {"question": "What is 2+2?"}]
+    with gzip.open(tmp_path / "p.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    (tmp_path / "p.json").write_text(json.dumps(rows))
+    for name in ("p.jsonl.gz", "p.json"):
+        records = _records(tmp_path / name)
+        assert len(records) == 2 and records[1]["instruction"] is None and records[0]["question"] is None
+        prompts = load_prompts(tmp_path / name)
+        assert [p["prompt"] for p in prompts] == ["Split\u2028here\x85and here?", "What is 2+2?"]
+        assert prompts[0]["id"] == "a-1"
+    (tmp_path / "bad.jsonl").write_text('{"instruction": "x"\n')
+    with pytest.raises(ValueError, match="not a JSON array or JSON lines file"):
+        load_prompts(tmp_path / "bad.jsonl")
+
+
 def test_accelerate_launch_smoke_loss_goes_down(tmp_path, tiny_chat_base, tiny_data):
     out = tmp_path / "heads"
     result = run_train("--model", tiny_chat_base, "--data", tiny_data, "--epochs", "3",

@@ -29,7 +29,7 @@ def _draft_options(args) -> dict:
     if args.rescorer is not None:
         options["rescorer"] = args.rescorer
     for name in ("num_drafts", "draft_top_k", "num_heads_to_use", "draft_schedule", "prompt_lookup", "draft_nodes",
-                 "heads_int8"):
+                 "heads_int8", "drafter", "draft_depth"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     if args.tree:
@@ -39,6 +39,9 @@ def _draft_options(args) -> dict:
 
 def _method_label(model, options: dict) -> str:
     config = model.generation_config
+    if options.get("drafter", getattr(config, "drafter", "heads")) == "feature":
+        lookup = " + lookup" if options.get("prompt_lookup", config.prompt_lookup) else ""
+        return f"feature-level drafter, chain of {options.get('draft_depth') or 4}{lookup}, eager"
     compiled = ", compiled" if options.get("compile", config.compile) else ""
     rescorer = options.get("rescorer", config.rescorer)
     name = f" + {rescorer}" if isinstance(rescorer, str) and rescorer != "none" else ""  # else head scores
@@ -78,7 +81,8 @@ def cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise ValueError("--prompt is empty: pass the text to continue")
     if args.no_heads and (args.rescorer or args.tree or args.num_drafts or args.draft_top_k or args.num_heads_to_use
-                          or args.prompt_lookup is not None or args.draft_schedule or args.draft_nodes):
+                          or args.prompt_lookup is not None or args.draft_schedule or args.draft_nodes
+                          or args.drafter or args.draft_depth):
         raise ValueError("--no-heads decodes plainly, so drafting flags (--rescorer, --num-drafts, --draft-top-k, "
                          "--tree, --num-heads-to-use, --prompt-lookup, --draft-schedule, --draft-nodes) would be ignored: drop them")
     _locate(args.model)
@@ -228,6 +232,10 @@ def add_parsers(sub, command) -> None:
     gen.add_argument("--draft-nodes", type=int, default=None, metavar="N",
                      help=f"verify N draft tokens per step, 1-{MAX_DRAFT_NODES}: the p-best paths and prompt lookup's "
                           "copy compete for them, likeliest first (default: the checkpoint's)")
+    gen.add_argument("--drafter", choices=["heads", "feature"], default=None,
+                     help="what drafts: the heads, or the checkpoint's feature-level drafter (default: heads)")
+    gen.add_argument("--draft-depth", type=int, default=None, metavar="N",
+                     help="with --drafter feature: its chain length, 1-32 (default: 4)")
     gen.add_argument("--heads-int8", action=argparse.BooleanOptionalAction, default=None,
                      help="the heads step with int8 weights in a C++ kernel on CPU (a quarter of the bytes per step; "
                           "only the drafts can change); --no-heads-int8: the heads' own fp32 weights (default: on "

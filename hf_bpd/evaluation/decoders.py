@@ -167,6 +167,14 @@ def decode_bpd(model, inputs: dict, max_new_tokens: int, tree_widths: Sequence[i
     return out, model.last_generation_stats
 
 
+def decode_feature(model, inputs: dict, max_new_tokens: int, **options):
+    """`model.generate(drafter="feature")`: the checkpoint's feature-level drafter drafts (eager verification)."""
+    if getattr(model, "feature_drafter", None) is None:
+        raise MethodSkipped("the checkpoint has no feature-level drafter (feature_drafter/)")
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, drafter="feature", **options)
+    return out, model.last_generation_stats
+
+
 def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
     """The registry of methods: name -> `decoder(model, inputs, max_new_tokens)`. `bpd+NAME` exists for every
     registered rescorer (`hf_bpd.available_rescorers()`)."""
@@ -199,6 +207,9 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
     # The checkpoint's own generate() defaults (its generation_config.json), whatever they are; and the same with
     # the heads' own fp32 weights in the heads step (the default drafts with int8 weights where it can).
     decoders["default"] = decode_bpd
+    # the feature-level drafter's chain (eager), alone and with prompt lookup's copy
+    decoders["feature"] = p(decode_feature, prompt_lookup=False)
+    decoders["feature+lookup"] = p(decode_feature, prompt_lookup=True)
     decoders["default-fp32-heads"] = p(decode_bpd, heads_int8=False)
     # p-best and trees: eager, heads only (a checkpoint's compile / prompt_lookup / schedule defaults do not apply)
     plain = dict(compile=False, prompt_lookup=False, draft_schedule="fixed", draft_nodes=None)

@@ -25,8 +25,10 @@ def base_features(base, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def chain_accepted_lengths(drafter, features: torch.Tensor, ids: torch.Tensor, prompt_length: int,
-                           depth: int) -> list[int]:
-    """Accepted draft tokens per verification step along `ids` (prompt + the base's greedy continuation)."""
+                           depth: int, top_k: int = 1) -> list[int]:
+    """Accepted draft tokens per verification step along `ids` (prompt + the base's greedy continuation).
+    `top_k > 1`: a token counts when it is among the drafter's k most likely at its depth (the drafter then reads
+    it): the acceptance of a full tree of width k, an upper bound for any tree drafted from the same drafter."""
     n = len(ids)
     if n - prompt_length < 2:
         return []
@@ -46,9 +48,15 @@ def chain_accepted_lengths(drafter, features: torch.Tensor, ids: torch.Tensor, p
         cache.update(keys[:, :, :p + 1], values[:, :, :p + 1], 0)
         state, count = hidden[:, p:p + 1], 0
         for d in range(room):
-            token = drafter.to_vocab_ids(drafter.logits(state)[0, -1].argmax(-1))
-            if int(token) != reference[last + d]:
-                break
+            logits = drafter.logits(state)[0, -1]
+            if top_k == 1:
+                token = drafter.to_vocab_ids(logits.argmax(-1))
+                if int(token) != reference[last + d]:
+                    break
+            else:
+                if reference[last + d] not in drafter.to_vocab_ids(logits.topk(top_k).indices).tolist():
+                    break
+                token = ids[last + d]
             count += 1
             if d + 1 < room:
                 state = drafter(state, token.view(1, 1), positions[:, p + 1 + d:p + 2 + d], cache)
@@ -96,13 +104,14 @@ def read_references(path) -> list[tuple[torch.Tensor, int]]:
 
 
 @torch.no_grad()
-def chain_block_efficiency(model, along: list[tuple[torch.Tensor, int, torch.Tensor]], depth: int = 4) -> float:
+def chain_block_efficiency(model, along: list[tuple[torch.Tensor, int, torch.Tensor]], depth: int = 4,
+                           top_k: int = 1) -> float:
     """Block efficiency of `model`'s chain drafts (a `FeatureDrafter` at `depth`, or drafting heads: all of them)
     along `[(ids, prompt length, base features)]`."""
     runs = []
     for ids, n, feats in along:
         if hasattr(model, "fuse"):
-            steps = chain_accepted_lengths(model, feats, ids.to(feats.device), n, depth)
+            steps = chain_accepted_lengths(model, feats, ids.to(feats.device), n, depth, top_k)
         else:
             steps = heads_chain_accepted_lengths(model, feats, ids, n)
         runs.append((len(ids) - n, steps))

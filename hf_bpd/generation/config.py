@@ -11,6 +11,8 @@
 | `draft_nodes` | `None` | a budget of draft tokens per verification: the drafts (the `num_drafts` best paths, prompt lookup's copy) compete for it best-first, likeliest-to-be-accepted node first (calibrated head confidences), so every step verifies one block of `1 + draft_nodes` tokens. None: every drafted token is verified (a compiled chain with `prompt_lookup` shares 7 nodes with the copy) |
 | `prompt_lookup` | `False` | also draft the context's continuation of its last n-gram (prompt lookup) and verify it with the heads' drafts in the same pass (`hf_bpd.generation.lookup`) |
 | `heads_int8` | `None` | the heads step with int8 weights (one fp32 scale per row) in a C++ kernel on CPU, a quarter of the bytes each drafted step reads (`hf_bpd.runtime.int8_heads`); only the drafts can change, the output stays the base's. None: on with `compile=True` on a CPU, else off; True: also eagerly; False: never |
+| `drafter` | `"heads"` | what drafts: `"heads"` (the drafting heads, with the options above) or `"feature"` (the checkpoint's feature-level drafter, `hf_bpd.generation.feature_drafting`: a chain of `draft_depth` tokens, plus prompt lookup's copy; it verifies eagerly, one prompt at a time, and the heads' options do not apply) |
+| `draft_depth` | `None` | the feature-level drafter's chain length (None: 4) |
 | `draft_schedule` | `"fixed"` | `"fixed"`: verify every drafted token; `"cost"`: per step, verify only the drafted tokens expected to pay for their verification cost (calibrated head confidences x the machine's measured forward costs; `hf_bpd.generation.budget`) |
 | `compile` | `False` | verify with a compiled step on a reused static cache (`hf_bpd.generation.verify`); with `use_heads=False` too, for compiled plain decoding. On a CPU the step is an artifact built once per machine (`hf-bpd compile`); a call never waits for it: while it is missing it is built in the background and the call verifies eagerly. `"wait"`: build it in the call if need be (benchmarks). Elsewhere (GPUs, `HF_BPD_ARTIFACTS=0`) `torch.compile` compiles in the first calls |
 | `tie_margin` | `None` | greedy: a decoded token whose two best scores are closer than this × max(1, |best|) is decided by the base's own eager `generate()` (`hf_bpd.generation.near_ties`); None: 5e-5 for fp32 bases, 0 (never) for half precision |
@@ -33,7 +35,8 @@ from ..errors import BPDConfigError, BPDTypeError, CheckpointError
 from ..limits import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS  # noqa: F401 - the documented ceilings
 
 DRAFTING_DEFAULTS = {"rescorer": None, "draft_top_k": None, "num_drafts": 1, "num_heads_to_use": None, "tree": None,
-                     "prompt_lookup": False, "draft_schedule": "fixed", "draft_nodes": None, "heads_int8": None}
+                     "prompt_lookup": False, "draft_schedule": "fixed", "draft_nodes": None, "heads_int8": None,
+                     "drafter": "heads", "draft_depth": None}
 DRAFTING_OPTIONS = tuple(DRAFTING_DEFAULTS)
 DECODING_DEFAULTS = {"use_heads": True, "compile": False, "tie_margin": None}  # how the loop runs, drafting or not
 DECODING_OPTIONS = tuple(DECODING_DEFAULTS)
@@ -82,6 +85,8 @@ class DraftingOptions:
     draft_schedule: str = "fixed"
     draft_nodes: int | None = None
     heads_int8: bool | None = None
+    drafter: str = "heads"
+    draft_depth: int | None = None
     explicit: tuple[str, ...] = ()
 
 
@@ -115,6 +120,16 @@ def drafting_options(kwargs: dict, generation_config: GenerationConfig | None,
             raise BPDConfigError("tree= fixes the verified nodes itself, so draft_nodes would be ignored: pass "
                                  "draft_nodes=None with a tree, or tree=None (the p-best paths compete for "
                                  "draft_nodes)")
+    if values["drafter"] == "feature":
+        given = [n for n in ("rescorer", "draft_top_k", "num_drafts", "num_heads_to_use", "tree", "draft_nodes",
+                             "heads_int8") if n in explicit and explicit[n] is not None]
+        if given or explicit.get("draft_schedule", "fixed") != "fixed":
+            raise BPDConfigError(f"drafter='feature' drafts a chain with the feature-level drafter, so "
+                                 f"{', '.join(given) or 'draft_schedule'} would be ignored: drop them, or pass "
+                                 "drafter='heads'")
+    elif "draft_depth" in explicit and explicit["draft_depth"] is not None:
+        raise BPDConfigError("draft_depth sets the feature-level drafter's chain length: pass drafter='feature' "
+                             "with it, or drop it (the heads draft num_heads_to_use tokens)")
     if values["tree"] is not None and "num_drafts" in explicit and values["num_drafts"] != 1:
         raise BPDConfigError(f"tree= drafts the tree's rank paths, so num_drafts={values['num_drafts']} would be "
                              "ignored: drop num_drafts, or pass tree=None (p-best drafts)")
@@ -164,6 +179,11 @@ def validate_drafting_values(values: dict, where: str = "") -> dict:
         out["num_drafts"] = _int_value("num_drafts", out["num_drafts"], 1, MAX_NUM_DRAFTS, where)
     if out.get("draft_nodes") is not None:
         out["draft_nodes"] = _int_value("draft_nodes", out["draft_nodes"], 1, MAX_DRAFT_NODES, where)
+    if "drafter" in out and out["drafter"] not in ("heads", "feature"):
+        raise BPDConfigError(f"{where}drafter must be 'heads' or 'feature', got {out['drafter']!r}: pass "
+                             "drafter='heads' (the drafting heads) or 'feature' (the feature-level drafter)")
+    if out.get("draft_depth") is not None:
+        out["draft_depth"] = _int_value("draft_depth", out["draft_depth"], 1, 32, where)
     if out.get("num_heads_to_use") is not None:
         out["num_heads_to_use"] = _int_value("num_heads_to_use", out["num_heads_to_use"], 1, None, where)
     if "draft_schedule" in out and out["draft_schedule"] not in SCHEDULES:

@@ -37,6 +37,7 @@ from .batch import decode_batch
 from .budget import SCHEDULES, DraftBudget, HeadCalibration, eager_costs
 from .config import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS, DraftingOptions, _int_value
 from .drafting import BlockDrafter, NoDrafter
+from .feature_drafting import FeatureChainDrafter
 from .near_ties import EagerReferee, default_tie_margin
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import DecodedSequence
@@ -131,8 +132,25 @@ def check_inputs(model, input_ids, generation_config, kwargs: dict) -> None:
                          "prompt")
 
 
+def plan_feature_drafting(model, options: DraftingOptions) -> DecodingPlan:
+    """`drafter="feature"`: the checkpoint's feature-level drafter drafts (`FeatureChainDrafter`)."""
+    drafter = model.feature_drafter
+    if drafter is None:
+        raise BPDConfigError("drafter='feature' needs a feature-level drafter: load a checkpoint that has one "
+                             "(a feature_drafter/ folder) or call model.load_feature_drafter(folder)")
+    base = model.base_lm
+    drafter.to(device=base.device, dtype=base.dtype)
+    if options.prompt_lookup is not True and options.prompt_lookup is not False:
+        raise BPDTypeError(f"prompt_lookup must be True or False, got {options.prompt_lookup!r}")
+    method = "feature-chain" + ("+lookup" if options.prompt_lookup else "")
+    return DecodingPlan(drafter=FeatureChainDrafter(drafter, options.draft_depth or 4, options.prompt_lookup),
+                        stats=GenerationStats(method=method))
+
+
 def plan_drafting(model, options: DraftingOptions) -> DecodingPlan:
     """Validate the drafting options of one call (one-line `BPDConfigError`s) and build its drafter."""
+    if options.drafter == "feature":
+        return plan_feature_drafting(model, options)
     config = model.config
     n = config.num_heads if options.num_heads_to_use is None else options.num_heads_to_use
     n = _int_value("num_heads_to_use", n, 1, config.num_heads)
@@ -228,6 +246,11 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
                        plan: DecodingPlan, **model_kwargs):
     """The `custom_generate` decoding method: draft, verify, accept until a stopping criterion holds."""
     check_supported(input_ids, generation_config, model_kwargs, compiled=plan.compile)
+    if isinstance(plan.drafter, FeatureChainDrafter):
+        if input_ids.shape[0] > 1:
+            raise BPDConfigError(f"drafter='feature' decodes one prompt at a time, got {input_ids.shape[0]}: pass "
+                                 "one prompt per call, or drafter='heads' for batches")
+        plan.compile = False  # it verifies eagerly (its drafter reads every position's feature)
     if input_ids.shape[0] > 1:  # a batch of prompts: ragged rows on one cache, verified eagerly
         plan.stats.method += "+batch"
         return decode_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, plan,
@@ -303,7 +326,12 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
     plain_greedy = not do_sample and len(logits_processor) == 0 and not keep_scores and not keep_logits
 
     # The prompt pass decodes the first token and gives the hidden state the first block is drafted from.
-    logits, hidden = verifier.prefill(input_ids)
+    reads_features = isinstance(drafter, FeatureChainDrafter)  # a feature-level drafter reads every position's
+    if reads_features:
+        logits, features = verifier.prefill(input_ids, all_positions=True)
+        hidden = features[-1]
+    else:
+        logits, hidden = verifier.prefill(input_ids)
     logits = logits.float()
     processed = logits_processor(input_ids, logits.clone())
     stats.accepted_lengths.append(0)
@@ -312,6 +340,8 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
     if referee is not None:
         referee.settle(input_ids, tokens, step_logits, step_scores, logits_processor)
     decoded.accept(tokens, step_logits, step_scores)
+    if reads_features:
+        drafter.start(features, input_ids, tokens[0])
 
     while not decoded.stopped:
         start = time.perf_counter()
@@ -347,8 +377,11 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
             if cut is not None and cut < len(path):
                 path = path[:cut]
                 position = path[-1] + 1 if path else 0
-        verifier.keep(len(tree) + 1, [0] + [c + 1 for c in path])
+        kept = [0] + [c + 1 for c in path]
+        verifier.keep(len(tree) + 1, kept)
         hidden = block_hidden[position]
+        if reads_features:
+            drafter.observe(block_hidden, kept, tokens)
         stats.accepted_lengths.append(len(path))
         stats.draft_tokens.append(len(tree))
         decoded.accept(tokens, step_logits, step_scores)

@@ -43,12 +43,14 @@ class EagerVerifier:
         self.attention_mask = attention_mask
         self.grouped = uses_grouped_attention(self.base)
 
-    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompt pass: `(logits (1, vocab), hidden (hidden_size,))` at the last prompt position."""
+    def prefill(self, input_ids: torch.Tensor, all_positions: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt pass: `(logits (1, vocab), hidden (hidden_size,))` at the last prompt position
+        (`all_positions`: the hidden states of every prompt position, `(n, hidden_size)`)."""
+        extra = {"output_hidden_states": True} if all_positions else {}  # the last entry: the final (normed) one
         with grouped_query_attention(self.base, self.grouped):
             out = self.model(input_ids=input_ids, attention_mask=self.attention_mask, **{CACHE_NAME: self.cache},
-                             use_cache=True, return_head_logits=False, logits_to_keep=1)
-        return out.logits[:, -1], out.last_hidden_state[0, -1]
+                             use_cache=True, return_head_logits=False, logits_to_keep=1, **extra)
+        return out.logits[:, -1], out.hidden_states[-1][0] if all_positions else out.last_hidden_state[0, -1]
 
     def verify(self, last_token: int, tree: DraftTree, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward `[last_token] + tree.tokens`: `(logits (q, vocab), hidden (q, hidden_size))`."""

@@ -85,3 +85,23 @@ def attach_rescorer(model, name: str, path: Path, spec: dict) -> None:
                               f"({err}): remove it") from None
     model._bundle_sources[name] = path
     model.config.rescorers[name] = {"path": f"rescorers/{path.name}", **spec}
+
+
+def load_bundled(model, directory: Path) -> None:
+    """Attach what a checkpoint bundles besides its heads: its rescorers and a feature-level drafter."""
+    from .checkpoints import FEATURE_DRAFTER_DIR
+
+    for name, spec in model.config.rescorers.items():
+        attach_rescorer(model, name, inside(directory, spec["path"], f"rescorers.{name}.path"),
+                        {k: v for k, v in spec.items() if k != "path"})
+    if (directory / FEATURE_DRAFTER_DIR / "drafter.safetensors").is_file():
+        model.load_feature_drafter(directory / FEATURE_DRAFTER_DIR)
+
+
+def load_feature_drafter(base, folder: Path):
+    """The `FeatureDrafter` saved in `folder` (`drafter.safetensors`) for `base`, on its device and in its dtype."""
+    from ..feature_drafter import FeatureDrafter
+
+    if not (folder / "drafter.safetensors").is_file():
+        raise CheckpointError(f"no drafter.safetensors in {folder}: pass the folder training/train_drafter.py wrote")
+    return FeatureDrafter.load(folder, base).to(device=base.device, dtype=base.dtype)

@@ -14,6 +14,7 @@ from ..errors import BaseModelError, CheckpointError
 from .locate import locate, looks_like_path
 
 HEADS_WEIGHTS_NAME = "heads.safetensors"
+FEATURE_DRAFTER_DIR = "feature_drafter"  # a feature-level drafter beside the heads (`hf_bpd.feature_drafter`)
 
 
 def resolve_checkpoint_dir(name_or_path: str | os.PathLike, hub_kwargs: dict) -> Path:
@@ -110,6 +111,8 @@ def save_checkpoint(model, directory: Path) -> None:
     model.generation_config.save_pretrained(directory)
     state = {k: v.detach().contiguous().cpu() for k, v in model.heads.state_dict().items()}
     save_file(state, directory / HEADS_WEIGHTS_NAME, metadata={"format": "pt", "library": "hf_bpd"})
+    if getattr(model, "feature_drafter", None) is not None:
+        model.feature_drafter.save(directory / FEATURE_DRAFTER_DIR)
     for name, source in model._bundle_sources.items():
         relative = model.config.base_adapter if name == "base_adapter" else model.config.rescorers[name]["path"]
         copy_bundled(source, directory / relative)

@@ -1,4 +1,5 @@
-"""Instruction data: prompts and ShareGPT/Vicuna or Alpaca conversations, read through `datasets`.
+"""Instruction data: prompts and ShareGPT/Vicuna or Alpaca conversations from JSON, JSONL (optionally gzipped) or text
+files.
 
 * `load_prompts(path)`: prompts from Alpaca-style (`instruction`, `input`), GSM8K (`question`), MT-bench
   (`turns`), ShareGPT (`conversations`, first human turn) or plain-text files.
@@ -9,21 +10,36 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import json
 import re
 from pathlib import Path
 
-from datasets import load_dataset
 
 ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
         "system": "system", "bard": "assistant", "bing": "assistant"}
 
 
-def _records(path: str | Path, split: str = "train"):
+def _records(path: str | Path) -> list[dict]:
+    """The records of a JSON array or JSONL file (`.gz` too), every record with every key any record has (missing
+    ones None, as `datasets` gives them); any other file: one `{"text": line}` per non-empty line."""
     path = str(path)
-    if path.removesuffix(".gz").endswith((".json", ".jsonl")):
-        return load_dataset("json", data_files=path, split=split)
-    return load_dataset("text", data_files=path, split=split)
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        text = f.read()
+    if not path.removesuffix(".gz").endswith((".json", ".jsonl")):
+        return [{"text": line} for line in text.splitlines() if line.strip()]
+    try:
+        rows = json.loads(text) if text.lstrip().startswith("[") else [
+            json.loads(line) for line in text.split("\n") if line.strip()]
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not a JSON array or JSON lines file ({err}): pass Alpaca/ShareGPT/MT-bench "
+                         "records") from None
+    if not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{path}: every record must be a JSON object")
+    keys = dict.fromkeys(k for row in rows for k in row)
+    return [{k: row.get(k) for k in keys} for row in rows]
 
 
 def record_prompt(record: dict) -> str | None:

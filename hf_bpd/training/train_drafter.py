@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from ..feature_drafter import FeatureDrafter
@@ -247,10 +247,7 @@ def train(drafter: FeatureDrafter, folder: Path, max_tokens: int, depths: int = 
 
 def save_drafter(drafter: FeatureDrafter, output: Path, record: dict, dtype: torch.dtype | None = None) -> None:
     """`drafter.safetensors` (its weights, in `dtype` when given) and `training.json` in `output`."""
-    output.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu", dtype if dtype is not None and v.is_floating_point() else v.dtype).contiguous()
-             for k, v in drafter.state_dict().items() if v is not None}
-    save_file(state, str(output / "drafter.safetensors"))
+    drafter.save(output, dtype)
     (output / "training.json").write_text(json.dumps(record, indent=1))
 
 
