@@ -130,3 +130,26 @@ def test_smollm2_greedy_equals_base_generate(smollm2):
             accepted[mode] += sum(model.last_generation_stats.accepted_lengths)
     # fresh heads repeat the base's next token, so some drafts are accepted: acceptance is exercised
     assert all(a > 0 for a in accepted.values()), accepted
+
+
+def test_smollm2_feature_drafter_equals_base_generate(smollm2):
+    """The shipped checkpoint's feature-level drafter (`generate(drafter="feature")`) on the real base: identical to
+    greedy `generate()`, and its drafts are accepted."""
+    base, tokenizer = smollm2
+    from pathlib import Path
+
+    checkpoint = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct-bpd"
+    model = BlockwiseParallelForCausalLM.from_pretrained(checkpoint, base_model=base)
+    assert model.feature_drafter is not None
+    accepted = 0
+    for prompt in SMOL_PROMPTS[:8]:
+        inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               return_tensors="pt", return_dict=True)
+        expected = base.generate(**inputs, max_new_tokens=32, do_sample=False)
+        got = model.generate(**inputs, max_new_tokens=32, do_sample=False, drafter="feature")
+        if not torch.equal(got, expected):
+            pos, margin = _first_mismatch_margin(base, got, expected)
+            pytest.fail(f"drafter='feature' differs from greedy on {prompt!r} at position {pos}: top-2 logit margin "
+                        f"there is {margin:.2e}")
+        accepted += sum(model.last_generation_stats.accepted_lengths)
+    assert accepted > 8 * 5

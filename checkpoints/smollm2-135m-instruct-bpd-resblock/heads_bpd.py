@@ -52,6 +52,13 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                                        ignore_index=-100)
 
 
+def heads_placement(base_model) -> dict:
+    """Where the heads live: on the device of the base's output layer (the last stage under a `device_map`; the heads
+    read its input and share its weights) and in its dtype; fp32 when that layer holds no floating-point weights."""
+    weight = base_model.get_output_embeddings().weight
+    return {"device": weight.device, "dtype": weight.dtype if weight.is_floating_point() else torch.float32}
+
+
 class ResBlock(nn.Module):
     """Medusa's residual block `x + SiLU(W x)`. W starts at zero, so a fresh block is the identity."""
 

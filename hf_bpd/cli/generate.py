@@ -39,10 +39,10 @@ def _draft_options(args) -> dict:
 
 def _method_label(model, options: dict) -> str:
     config = model.generation_config
+    compiled = ", compiled" if options.get("compile", config.compile) else ""
     if options.get("drafter", getattr(config, "drafter", "heads")) == "feature":
         lookup = " + lookup" if options.get("prompt_lookup", config.prompt_lookup) else ""
-        return f"feature-level drafter, chain of {options.get('draft_depth') or 4}{lookup}, eager"
-    compiled = ", compiled" if options.get("compile", config.compile) else ""
+        return f"feature-level drafter, chain of {options.get('draft_depth') or 4}{lookup}{compiled}"
     rescorer = options.get("rescorer", config.rescorer)
     name = f" + {rescorer}" if isinstance(rescorer, str) and rescorer != "none" else ""  # else head scores
     name += " + lookup" if options.get("prompt_lookup", config.prompt_lookup) else ""

@@ -168,9 +168,11 @@ def decode_bpd(model, inputs: dict, max_new_tokens: int, tree_widths: Sequence[i
 
 
 def decode_feature(model, inputs: dict, max_new_tokens: int, **options):
-    """`model.generate(drafter="feature")`: the checkpoint's feature-level drafter drafts (eager verification)."""
+    """`model.generate(drafter="feature")`: the checkpoint's feature-level drafter drafts."""
     if getattr(model, "feature_drafter", None) is None:
         raise MethodSkipped("the checkpoint has no feature-level drafter (feature_drafter/)")
+    if options.get("compile", getattr(model.generation_config, "compile", False)) is True:
+        options["compile"] = "wait"  # as for decode_bpd: the compiled step, not eager verification while it builds
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, drafter="feature", **options)
     return out, model.last_generation_stats
 
@@ -207,9 +209,11 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
     # The checkpoint's own generate() defaults (its generation_config.json), whatever they are; and the same with
     # the heads' own fp32 weights in the heads step (the default drafts with int8 weights where it can).
     decoders["default"] = decode_bpd
-    # the feature-level drafter's chain (eager), alone and with prompt lookup's copy
-    decoders["feature"] = p(decode_feature, prompt_lookup=False)
-    decoders["feature+lookup"] = p(decode_feature, prompt_lookup=True)
+    # the feature-level drafter's chain, alone and with prompt lookup's copy; eager, or compiled as the checkpoint's
+    decoders["feature"] = p(decode_feature, prompt_lookup=False, compile=False)
+    decoders["feature+lookup"] = p(decode_feature, prompt_lookup=True, compile=False)
+    decoders["feature-compiled"] = p(decode_feature, prompt_lookup=False, compile=True)
+    decoders["feature+lookup-compiled"] = p(decode_feature, prompt_lookup=True, compile=True)
     decoders["default-fp32-heads"] = p(decode_bpd, heads_int8=False)
     # p-best and trees: eager, heads only (a checkpoint's compile / prompt_lookup / schedule defaults do not apply)
     plain = dict(compile=False, prompt_lookup=False, draft_schedule="fixed", draft_nodes=None)

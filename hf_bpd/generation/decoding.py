@@ -246,11 +246,9 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
                        plan: DecodingPlan, **model_kwargs):
     """The `custom_generate` decoding method: draft, verify, accept until a stopping criterion holds."""
     check_supported(input_ids, generation_config, model_kwargs, compiled=plan.compile)
-    if isinstance(plan.drafter, FeatureChainDrafter):
-        if input_ids.shape[0] > 1:
-            raise BPDConfigError(f"drafter='feature' decodes one prompt at a time, got {input_ids.shape[0]}: pass "
-                                 "one prompt per call, or drafter='heads' for batches")
-        plan.compile = False  # it verifies eagerly (its drafter reads every position's feature)
+    if isinstance(plan.drafter, FeatureChainDrafter) and input_ids.shape[0] > 1:
+        raise BPDConfigError(f"drafter='feature' decodes one prompt at a time, got {input_ids.shape[0]}: pass one "
+                             "prompt per call, or drafter='heads' for batches")
     if input_ids.shape[0] > 1:  # a batch of prompts: ragged rows on one cache, verified eagerly
         plan.stats.method += "+batch"
         return decode_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, plan,

@@ -6,7 +6,9 @@ The drafter keeps its own KV cache over the decoded sequence: one entry per posi
 and the accepted drafts (`observe`). From the newest entry the drafter drafts a chain of `depth` tokens
 autoregressively, each depth reading the hidden state it predicted at the depth before, on a temporary extension of
 its cache that is cut off again after the step. With `prompt_lookup` the context's own continuation of its last
-n-gram is verified with the chain in the same pass, as with the heads.
+n-gram is verified with the chain in the same pass, as with the heads. Verification is eager or compiled as for the
+heads; a compiled prompt pass then runs over the whole prompt (the drafter needs every position's feature), not only
+over what the cache does not hold from the last call.
 """
 
 from __future__ import annotations

@@ -366,21 +366,24 @@ class CompiledVerifier:
         self._patterns: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # tree shape -> (depths, block mask)
         self._aranges: dict[int, torch.Tensor] = {}
 
-    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(self, input_ids: torch.Tensor, all_positions: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt pass, eager, writing into the static cache (the call holds the runner's lock from here on).
         The cache still holds the last call's context: the prompt's longest prefix found there is kept and only the
-        rest runs (a growing conversation passes only its new turn)."""
+        rest runs (a growing conversation passes only its new turn). `all_positions`: the whole prompt runs and the
+        hidden states of every position come back, `(n, hidden_size)` (a feature-level drafter reads them)."""
         reused = self.runner.take_prefix(input_ids[0])
+        reused = 0 if all_positions else reused
         self.runner.set_length(reused)
         self.reused = reused
         rest = input_ids[:, reused:]
         positions = torch.arange(reused, input_ids.shape[1], device=input_ids.device)
+        extra = {"output_hidden_states": True} if all_positions else {}
         with grouped_query_attention(self.base, self.runner.grouped):
             out = self.model(input_ids=rest, **{CACHE_NAME: self.cache}, use_cache=True, cache_position=positions,
-                             position_ids=positions[None], return_head_logits=False, logits_to_keep=1)
+                             position_ids=positions[None], return_head_logits=False, logits_to_keep=1, **extra)
         self.length = input_ids.shape[1]
         self.runner.set_length(self.length)
-        return out.logits[:, -1], out.last_hidden_state[0, -1]
+        return out.logits[:, -1], out.hidden_states[-1][0] if all_positions else out.last_hidden_state[0, -1]
 
     def verify(self, last_token: int, tree: DraftTree, device) -> tuple[torch.Tensor, torch.Tensor]:
         q = len(tree) + 1
