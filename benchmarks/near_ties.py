@@ -62,8 +62,9 @@ def rounding(model, tokenizer, questions, max_new_tokens: int) -> dict:
                                                                                          "plain-compiled")}}
 
 
-def exactness(model, tokenizer, questions, max_new_tokens: int, reference_file: Path) -> dict:
-    """The checkpoint's default `generate()` (referee on) against stored eager outputs."""
+def exactness(model, tokenizer, questions, max_new_tokens: int, reference_file: Path, **options) -> dict:
+    """The checkpoint's default `generate()` (referee on; `options`: e.g. `drafter="feature"`) against stored eager
+    outputs."""
     bench = json.loads(reference_file.read_text())
     refs = {s["id"]: s["output_ids"] for s in bench["samples"] if s["method"] == "ar"}
     rows, total = [], {"prompts": 0, "identical": 0, "new_tokens": 0, "seconds": 0.0, "tie_checks": 0,
@@ -73,7 +74,7 @@ def exactness(model, tokenizer, questions, max_new_tokens: int, reference_file: 
             continue
         inputs = encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], None)
         start = time.perf_counter()
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **options)
         seconds = time.perf_counter() - start
         stats = model.last_generation_stats
         got = out[0, inputs["input_ids"].shape[1]:].tolist()
@@ -109,6 +110,8 @@ def main(argv=None) -> int:
     p.add_argument("--references", type=Path, default=None,
                    help="an hf-bpd bench JSON whose ar outputs are the eager references (exactness run)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--drafter", choices=["heads", "feature"], default="heads",
+                   help="what drafts in the exactness check (feature: the checkpoint's feature-level drafter)")
     p.add_argument("--output", type=Path, required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -118,15 +121,17 @@ def main(argv=None) -> int:
     questions = [q for q in load_questions(args.questions) if q["id"] not in skip][: args.limit]
     inputs = encode_messages(tokenizer, [{"role": "user", "content": "Hi"}], None)
     start = time.perf_counter()
-    model.generate(**inputs, max_new_tokens=8, do_sample=False)  # compile outside what is measured
+    model.generate(**inputs, max_new_tokens=8, do_sample=False, compile="wait")  # compile outside what is measured
+    model.generate(**inputs, max_new_tokens=8, do_sample=False, compile="wait", drafter=args.drafter)
     model.generate(**inputs, max_new_tokens=8, do_sample=False, use_heads=False, compile=True)
     result = {"model": args.model, "questions": args.questions, "excluded": args.exclude,
-              "prompts": len(questions), "max_new_tokens": args.max_new_tokens,
+              "prompts": len(questions), "max_new_tokens": args.max_new_tokens, "drafter": args.drafter,
               "machine": machine_info(), "warm_up_seconds": time.perf_counter() - start}
     if args.rounding:
         result["rounding"] = rounding(model, tokenizer, questions[: args.rounding], args.max_new_tokens)
     if args.references is not None:
-        result["exactness"] = exactness(model, tokenizer, questions, args.max_new_tokens, args.references)
+        result["exactness"] = exactness(model, tokenizer, questions, args.max_new_tokens, args.references,
+                                        drafter=args.drafter)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.get("rounding", {}).items() if k != "prompts"}))

@@ -84,6 +84,11 @@ for name, (directory, base_dir) in job["checkpoints"].items():
                                          base.generate(batch, max_new_tokens=8, do_sample=False)),
                      "method": model.last_generation_stats.method}
     case["forward_same"] = torch.equal(model(torch.tensor([ids])).logits, base(torch.tensor([ids])).logits)
+    try:
+        model.generate(torch.tensor([ids]), max_new_tokens=2, drafter="feature")
+        case["feature_drafter"] = "no error"
+    except ValueError as err:
+        case["feature_drafter"] = str(err)
 
 for name, directory in job["configs"].items():
     config = AutoConfig.from_pretrained(directory, trust_remote_code=True)
@@ -191,6 +196,7 @@ def test_remote_dict_output_sampling_batch_and_forward_are_the_base(remote_run):
         assert case["sampled"] == [{"same": True, "method": "base"}] * 2
         assert case["batch"] == {"same": True, "method": "base"}
         assert case["forward_same"] is True
+        assert "drafts with the heads only" in case["feature_drafter"] and "\n" not in case["feature_drafter"]
         assert case["fingerprint"] == hf_bpd.fingerprint(local[name].base_lm)  # the remote copy of fingerprint() agrees
 
 

@@ -195,6 +195,11 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         `GenerateDecoderOnlyOutput` (sequences, scores, logits, cache) with `return_dict_in_generate=True`.
         What the call did lands on `model.last_generation_stats` (`GenerationStats`).
         """
+        drafter = kwargs.pop("drafter", "heads")
+        if drafter != "heads":
+            raise ValueError(f"drafter={drafter!r}: this remote code drafts with the heads only; install hf_bpd and "
+                             "load with hf_bpd.BlockwiseParallelForCausalLM.from_pretrained for the feature-level "
+                             "drafter")
         use_heads = kwargs.pop("use_heads", True)
         num_heads = kwargs.pop("num_heads_to_use", None) or self.num_heads_to_use
         reason = _unsupported_arguments(inputs, kwargs) if use_heads else "use_heads=False"
