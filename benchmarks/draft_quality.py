@@ -98,6 +98,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoints", nargs="+", required=True, help="heads checkpoint directories (same base)")
     p.add_argument("--questions", default="benchmarks/dev_prompts.jsonl")
+    p.add_argument("--exclude", default=None, help="a prompt file whose prompts (by id) are skipped")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--stride", type=int, default=1, help="every N-th question (a spread subset)")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -118,7 +119,8 @@ def main(argv=None):
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    questions = load_questions(args.questions)[:: args.stride][: args.limit]
+    skip = {q["id"] for q in load_questions(args.exclude)} if args.exclude else set()
+    questions = [q for q in load_questions(args.questions) if q["id"] not in skip][:: args.stride][: args.limit]
     first = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.checkpoints[0])
     base, tokenizer = first.base_lm, hf_bpd.load_tokenizer(args.checkpoints[0])
     refs = references(base, tokenizer, questions, args.max_new_tokens,
