@@ -10,9 +10,9 @@ tokens between. A feature-level drafter conditions on what it drafts. At positio
     p(token_{j+2}) = softmax(output(h_j))            (the base's frozen output rows over the draft vocabulary)
 
 and `h_j` stands in for the base's feature `f_{j+1}` at the next drafting depth (training regresses it onto
-`f_{j+1}`), so drafting d tokens costs d passes of one layer. The embedding, the output rows and the rotary tables are the base's, frozen and not stored; the fuse
-projection, the layer and the norm are the drafter's (the layer and the norm start as copies of the base's last
-ones).
+`f_{j+1}`), so drafting d tokens costs d passes of one layer. The embedding, the output rows and the rotary tables
+are the base's, frozen and not stored; the fuse projection, the layer and the norm are the drafter's (the layer and
+the norm start as copies of the base's last ones).
 
 `hf_bpd.training.train_drafter` trains it on extracted features (`hf_bpd.training.features`).
 """
@@ -67,7 +67,7 @@ class FeatureDrafter(nn.Module):
 
     @classmethod
     def load(cls, folder, base) -> FeatureDrafter:
-        """A drafter saved by `hf_bpd.training.train_drafter.save_drafter` (`drafter.safetensors`), for `base`."""
+        """A drafter saved by `save` (`drafter.safetensors` in `folder`), for `base`."""
         from pathlib import Path
 
         from safetensors.torch import load_file

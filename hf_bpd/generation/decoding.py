@@ -140,8 +140,6 @@ def plan_feature_drafting(model, options: DraftingOptions) -> DecodingPlan:
                              "(a feature_drafter/ folder) or call model.load_feature_drafter(folder)")
     base = model.base_lm
     drafter.to(device=base.device, dtype=base.dtype)
-    if options.prompt_lookup is not True and options.prompt_lookup is not False:
-        raise BPDTypeError(f"prompt_lookup must be True or False, got {options.prompt_lookup!r}")
     method = "feature-chain" + ("+lookup" if options.prompt_lookup else "")
     return DecodingPlan(drafter=FeatureChainDrafter(drafter, options.draft_depth or 4, options.prompt_lookup),
                         stats=GenerationStats(method=method))
@@ -149,6 +147,8 @@ def plan_feature_drafting(model, options: DraftingOptions) -> DecodingPlan:
 
 def plan_drafting(model, options: DraftingOptions) -> DecodingPlan:
     """Validate the drafting options of one call (one-line `BPDConfigError`s) and build its drafter."""
+    if not isinstance(options.prompt_lookup, bool):
+        raise BPDTypeError(f"prompt_lookup must be True or False, got {options.prompt_lookup!r}")
     if options.drafter == "feature":
         return plan_feature_drafting(model, options)
     config = model.config
@@ -173,8 +173,6 @@ def plan_drafting(model, options: DraftingOptions) -> DecodingPlan:
             why = f"the {vocab}-token draft vocabulary" if vocab < MAX_DRAFT_TOP_K else "the lattice width ceiling"
             raise BPDConfigError(f"tree ranks reach {widest - 1}, but ranks must be < {limit} ({why}): use smaller "
                                  "ranks")
-    if not isinstance(options.prompt_lookup, bool):
-        raise BPDTypeError(f"prompt_lookup must be True or False, got {options.prompt_lookup!r}")
     if options.draft_schedule not in SCHEDULES:
         raise BPDConfigError(f"draft_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got "
                              f"{options.draft_schedule!r}")

@@ -21,9 +21,11 @@ the manifest). The stream (`sequence_stream`) is deterministic and interleaves i
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import logging
 import os
+import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -139,9 +141,6 @@ def online_batches(base, stream: Iterator[list[int]], max_tokens: int, batch_siz
     """Feature batches computed on the fly (training without stored features), on the base's device: `pool`
     sequences at a time from `stream`, batched by length, the batches in a seeded random order, until `max_tokens`
     tokens were given."""
-    import itertools
-    import random
-
     rng, given = random.Random(seed), 0
     while given < max_tokens:
         sequences = sorted(itertools.islice(stream, pool), key=len)

@@ -251,15 +251,6 @@ def save_drafter(drafter: FeatureDrafter, output: Path, record: dict, dtype: tor
     (output / "training.json").write_text(json.dumps(record, indent=1))
 
 
-@torch.no_grad()
-def heads_agreement(heads, folder: Path, shards: list[dict], depths: int, max_tokens: int = 200_000,
-                    batch_size: int = 8) -> list[float]:
-    """`heads_loss`'s top-1 agreement of drafting heads on held-out shards."""
-    targets = DraftTargets(heads.draft_vocab, heads._output_embeddings[0].weight.shape[0])
-    held_out = list(batches(folder, shards, max_tokens, batch_size))
-    return evaluate(heads, lambda m, b: heads_loss(m, b, targets, depths), held_out)["agreement"]
-
-
 def parse_args(argv=None):
     import argparse
 
