@@ -91,6 +91,7 @@ def test_ragged_acceptance_every_step(arch, monkeypatch):
 
     compactions, compact = [], RaggedCache.compact
     monkeypatch.setattr(RaggedCache, "compact", lambda self: (compactions.append(1), compact(self)))
+    monkeypatch.setattr("hf_bpd.generation.batch.COMPACT_HOLES", 0.05)  # compact often: every row stays exact
     model = random_bpd(arch, 0)
     prompts = random_prompts(6, seed=7, longest=30)
     kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=PAD)
@@ -228,3 +229,67 @@ def test_batched_bpd_with_a_plain_base_layout_model(tmp_path):
     kwargs = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=PAD)
     out = model.generate(ids, attention_mask=mask, **kwargs)  # sliding window 8 < 30 new tokens
     assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
+
+
+# ------------------------------------------------------------------ the cost-aware width
+def test_the_width_follows_costs_and_acceptance():
+    """`BatchWidth.choose`: flat costs take the widest block, costs growing with every token a plain step; rows that
+    accept everything make a wide block pay where rows that accept nothing do not; timings replace the table."""
+    from hf_bpd.generation.batch_width import BatchWidth, shadow_accepted
+
+    def width(costs, rows, max_width=5):  # after a call's first step, plain, timed as the table says
+        policy = BatchWidth(costs, max_width=max_width, rows=rows)
+        assert policy.choose(list(range(rows))) == 1
+        policy.timing(rows, policy.tabled(rows))
+        return policy
+
+    flat = width({1: 10.0, 64: 10.0}, 4)
+    assert flat.choose([0, 1, 2, 3]) == 4  # prior rates 0.5: the 5th token would add 3 %, under MARGIN
+    steep = width({1: 10.0, 64: 640.0}, 4)
+    assert steep.choose([0, 1, 2, 3]) == 1
+    assert steep.cost(8) == pytest.approx(80.0) and steep.cost(128) == pytest.approx(1280.0)
+    # cost(n) = 10 + n: rows that accept every draft token pay for the widest block, rows that never do for none
+    sloped = {1: 11.0, 256: 266.0}
+    good, bad = width(sloped, 16), width(sloped, 16)
+    for _ in range(50):
+        for r in range(16):
+            good.record(r, 4, 4)
+            bad.record(r, 4, 0)
+    assert good.choose(list(range(16))) == 5 and bad.choose(list(range(16))) == 1
+    # the batch goes at its laggards' pace: one row that accepts nothing, of those with the most left, rules it
+    for _ in range(50):
+        good.record(15, 4, 0)
+    assert good.choose(list(range(16)), remaining=[10] * 16) == 1
+    assert good.choose(list(range(16)), remaining=[10] * 15 + [2]) == 5
+    for _ in range(10):  # this call's own steps: plain ones as the table says, wide ones far slower
+        good.timing(16, 26.0)
+        good.timing(80, 10_000.0)
+    assert good.choose(list(range(16)), remaining=[10] * 15 + [2]) < 5
+    assert shadow_accepted([4, 5, 6], [4, 5, 9, 9]) == (3, 2) and shadow_accepted([4, 5, 6], [4]) == (1, 1)
+
+
+@pytest.mark.parametrize("costs, drafting", [({1: 1e6, 4096: 1e6}, True), ({1: 10.0, 4096: 40960.0}, False)],
+                         ids=["flat-costs-draft", "steep-costs-plain"])
+def test_the_switch_turns_drafting_on_and_off_and_rows_stay_exact(costs, drafting, monkeypatch):
+    """Forced cost tables through `generate()`: flat costs (drafting's own milliseconds negligible beside them) verify
+    drafts at every step, costs that grow with every token decode plainly (only shadow drafts, nothing verified);
+    every row equals its lone output."""
+    from hf_bpd.generation import batch_width
+
+    monkeypatch.setattr("hf_bpd.generation.batch.forward_costs", lambda base, max_tokens: dict(costs))
+    monkeypatch.setattr(batch_width, "TIMING_WEIGHT", 0.0)  # the forced table, not this machine's timings
+    monkeypatch.setattr(batch_width, "MARGIN", 0.0)  # random heads: any expected gain is to be taken
+    model = random_bpd("llama", 0)
+    prompts = random_prompts(4, seed=21)
+    ids, mask = left_padded(prompts)
+    kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    out = model.generate(ids, attention_mask=mask, **kwargs)
+    assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
+    stats = model.last_generation_stats
+    assert stats.method == "chain/cost-aware+batch"
+    verified = [n for row in stats.rows for n in row.draft_tokens[1:]]
+    if drafting:
+        # the first step measures the batch plainly, the last may have no room left
+        assert all(n >= 1 for row in stats.rows for n in row.draft_tokens[2:-1])
+    else:
+        assert sum(verified) == 0 and stats.forward_passes == 24

@@ -15,7 +15,7 @@ from tests.conftest import tiny_smollm2_vocab_base
 
 METHODS = list(default_decoders())
 
-SUMMARY_KEYS = {"method", "category", "samples", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_ar",
+SUMMARY_KEYS = {"method", "category", "samples", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_ar", "vs_best_plain",
                 "block_efficiency", "serial_calls", "mean_accepted", "draft_share", "exact", "exact_rate"}
 SAMPLE_KEYS = {"id", "category", "turn", "method", "prompt_tokens", "new_tokens", "seconds", "tokens_per_s",
                "speedup_vs_ar", "serial_calls", "block_efficiency", "mean_accepted", "accepted_lengths",
@@ -316,3 +316,18 @@ def test_draft_slots_script_smoke(checkpoint, tmp_path, capsys):
     runners = [r for by_size in verify_runtime._RUNNERS.values() for r in by_size.values()]
     assert any({4, 8} <= set(r.compiled_buckets) for r in runners)
     assert module.decoding.COMPILED_DRAFT_SLOTS == verify_runtime.COMPILED_DRAFT_SLOTS  # restored by the script
+
+
+def test_vs_best_plain_divides_by_the_faster_plain_path():
+    from hf_bpd.evaluation.bench import summarize_samples
+
+    def sample(method, seconds):
+        return {"method": method, "new_tokens": 100, "seconds": seconds, "serial_calls": None, "exact": True}
+
+    samples = [sample("ar", 10.0), sample("ar-compiled", 4.0), sample("default", 2.0)]
+    rows = {r["method"]: r for r in summarize_samples(samples, ["ar", "ar-compiled", "default"])}
+    assert rows["default"]["speedup_vs_ar"] == pytest.approx(5.0)
+    assert rows["default"]["vs_best_plain"] == pytest.approx(2.0)  # against ar-compiled's 25 tok/s, not ar's 10
+    assert rows["ar"]["vs_best_plain"] == pytest.approx(0.4)
+    rows = {r["method"]: r for r in summarize_samples(samples[::2], ["ar", "default"])}
+    assert rows["default"]["vs_best_plain"] == pytest.approx(5.0)  # only eager plain ran

@@ -129,15 +129,53 @@ def test_compiled_near_ties_go_to_the_eager_referee(model):
         assert got.generation_stats.tie_checks == 16
 
 
-def test_sliding_window_bases_fall_back_to_eager_with_a_warning(one_thread):
-    model = random_bpd("gemma3", 0)
-    ids = prompt(1, 6)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, compile=True)
-    assert torch.equal(got, model.base_lm.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None))
-    messages = [str(w.message) for w in caught if "compile=True is not used" in str(w.message)]
-    assert len(messages) == 1 and "sliding-window" in messages[0]
+def hybrid_gemma3(seed: int = 0):
+    """A tiny Gemma 3 with both layer types (sliding, full, sliding), a window of 8 tokens and logit soft-capping."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    from hf_bpd import BlockwiseParallelForCausalLM
+
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                              bos_token_id=1, eos_token_id=2, pad_token_id=0, final_logit_softcapping=30.0)
+    torch.manual_seed(seed)
+    model = BlockwiseParallelForCausalLM.from_base(AutoModelForCausalLM.from_config(config).eval(), num_heads=3)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("options", [{}, {"tree": (2, 2, 1)}, {"use_heads": False}],
+                         ids=["chain", "tree", "plain"])
+def test_sliding_window_bases_decode_compiled_and_exactly(options, one_thread):
+    """Gemma 3's hybrid layout on the compiled step: every layer keeps every position, the sliding layers' mask
+    closes what their window no longer reaches. Contexts of 13-43 tokens outgrow the window of 8 many times over (a
+    step without the window changes these outputs)."""
+    model = hybrid_gemma3()
+    for seed in range(2):
+        ids = prompt(seed, 3 + 10 * seed)
+        kwargs = dict(max_new_tokens=30, do_sample=False, eos_token_id=None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = model.generate(ids, compile=True, **options, **kwargs)
+        assert not [w for w in caught if "compile=True is not used" in str(w.message)]
+        assert model.last_generation_stats.verifier == "compiled"
+        assert torch.equal(got, model.base_lm.generate(ids, **kwargs)), (options, seed)
+
+
+def test_layer_types_without_a_compiled_step_are_named(one_thread):
+    from hf_bpd.runtime.step import compile_unsupported_reason
+
+    model = hybrid_gemma3()
+    assert compile_unsupported_reason(model.base_lm) is None
+    model.base_lm.config.layer_types = ["sliding_attention", "chunked_attention", "sliding_attention"]
+    assert compile_unsupported_reason(model.base_lm) == "its chunked_attention layers have no compiled step"
+    model.base_lm.config.layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    model.base_lm.config.sliding_window = None
+    assert compile_unsupported_reason(model.base_lm) == "its sliding-window layers name no window"
 
 
 def test_a_failing_compiler_falls_back_to_eager(monkeypatch, one_thread):

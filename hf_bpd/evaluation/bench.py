@@ -14,7 +14,8 @@ transformers, ...):
 * `methods`: the methods that ran, `ar` first; `skipped`: `{method: reason}`.
 * `summary`: one row per method over every prompt, `by_category`: one per (category, method). Row keys: `method`,
   `category`, `samples`, `new_tokens`, `seconds`, `tokens_per_s` (new tokens / seconds), `speedup_vs_ar` (tokens/s
-  over ar's on the same prompts), `block_efficiency` (new tokens / serial calls), `serial_calls`, `mean_accepted`
+  over ar's on the same prompts), `vs_best_plain` (tokens/s over the faster of the plain paths that ran, `ar` and
+  `ar-compiled`: what a user compares with), `block_efficiency` (new tokens / serial calls), `serial_calls`, `mean_accepted`
   (accepted draft tokens per serial call after the first), `draft_share` (drafting time / total time), `exact`
   (every output token-identical to ar's) and `exact_rate`.
 * `samples`: one record per (prompt, turn, method): `id`, `category`, `turn`, `method`, `prompt_tokens`,
@@ -39,6 +40,8 @@ from ..errors import BPDConfigError
 from ..generation.stats import GenerationStats
 from .decoders import (DEFAULT_METHODS, REFERENCE, BenchOptions, Decoder, MethodSkipped, default_decoders,  # noqa: F401
                        parse_methods)
+
+PLAIN_METHODS = (REFERENCE, "ar-compiled")  # plain decoding: eager transformers generate(), hf_bpd's compiled path
 
 # ------------------------------------------------------------------ prompts
 def load_questions(path: str | Path) -> list[dict]:
@@ -182,6 +185,10 @@ def summarize_samples(samples: list[dict], methods: Sequence[str], category: str
     rows = []
     ref = [s for s in samples if s["method"] == REFERENCE]
     ref_tps = sum(s["new_tokens"] for s in ref) / max(sum(s["seconds"] for s in ref), 1e-12) if ref else None
+    plain_tps = [sum(s["new_tokens"] for s in samples if s["method"] == m)
+                 / max(sum(s["seconds"] for s in samples if s["method"] == m), 1e-12)
+                 for m in PLAIN_METHODS if m in methods and any(s["method"] == m for s in samples)]
+    best_plain = max(plain_tps, default=None)
     for method in methods:
         mine = [s for s in samples if s["method"] == method]
         if not mine:
@@ -201,6 +208,7 @@ def summarize_samples(samples: list[dict], methods: Sequence[str], category: str
             "seconds": seconds,
             "tokens_per_s": tps,
             "speedup_vs_ar": tps / ref_tps if ref_tps else None,
+            "vs_best_plain": tps / best_plain if best_plain else None,
             "block_efficiency": sum(s["new_tokens"] for s in with_stats) / calls if calls else None,
             "serial_calls": calls if with_stats else None,
             "mean_accepted": sum(steps) / len(steps) if steps else (0.0 if with_stats else None),
@@ -320,13 +328,13 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 
 def markdown_report(report: dict) -> str:
-    header = ("| method | tok/s | speed-up vs ar | block efficiency | mean accepted | draft time | exact |\n"
-              "| --- | ---: | ---: | ---: | ---: | ---: | :---: |")
+    header = ("| method | tok/s | speed-up vs ar | vs best plain | block efficiency | mean accepted | draft time | exact |\n"
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | :---: |")
 
     def row(r, label):
         share = None if r["draft_share"] is None else 100 * r["draft_share"]
         return (f"| {label} | {_fmt(r['tokens_per_s'], '.1f')} | {_fmt(r['speedup_vs_ar'])}x | "
-                f"{_fmt(r['block_efficiency'])} | {_fmt(r['mean_accepted'])} | "
+                f"{_fmt(r.get('vs_best_plain'))}x | {_fmt(r['block_efficiency'])} | {_fmt(r['mean_accepted'])} | "
                 f"{_fmt(share, '.1f')}{'' if share is None else '%'} | {_fmt(r['exact'])} |")
 
     lines = [header] + [row(r, r["method"]) for r in report["summary"]]

@@ -9,13 +9,18 @@ decoding keeps them. The layout here ("ragged rows on one cache"):
 * A step appends every row's block (its last token and its draft tree, padded to the widest block `Q` of the step)
   at slots `P .. P+Q-1`, with a 4D mask per row: its valid slots, its tree's ancestors, nothing of the padding.
 * After verification, row `r` keeps its root and accepted path: those `k_r` entries move to the front of the new
-  tail and the tail is cut to `K = max_r k_r`; row `r` leaves `K - k_r` holes (masked from then on). When holes make
-  up more than a quarter of the cache, it is compacted: each row's valid slots gathered to the right (left padding).
+  tail and the tail is cut to `K = max_r k_r`; row `r` leaves `K - k_r` holes (masked from then on). When compacting
+  would free more than a quarter of the cache (the fullest row's count against the cache's length), it is compacted:
+  each row's valid slots gathered to the right (left padding).
 * A row that meets a stopping criterion leaves the batch: its cache row is dropped, so finished rows cost nothing.
 
-Verification is eager (compiled verification runs one sequence). The draft-cost schedule is single-sequence too:
-batches verify every drafted token (`draft_schedule="fixed"`). Streaming: one streamer per row
-(`streamer=[...]`), each fed its row's prompt and accepted tokens and ended when the row stops.
+Drafts: every row's chain of the heads' argmax tokens, from one batched heads call (`batch_width.batch_chains`); the
+single-prompt drafting options (rescorers, p-best, trees, prompt lookup, node budgets, `draft_schedule`) do not apply
+to batches. How many of its drafted tokens each row verifies is decided per step by `batch_width.BatchWidth` from the
+machine's forward costs and the rows' running acceptance: a block only as wide as pays, and plain one-token steps
+(nothing drafted) when drafting does not pay. Verification is eager (compiled verification runs one sequence).
+Streaming: one streamer per row (`streamer=[...]`), each fed its row's prompt and accepted tokens and ended when the
+row stops.
 
 Each row is decoded exactly as transformers' batched plain `generate()` decodes it: logits processors and stopping
 criteria see the row's left-padded context, as they do there; for prompts without padding-sensitive processors
@@ -34,10 +39,11 @@ import torch
 from ..errors import BPDConfigError
 from ..kv_cache import CACHE_NAME
 from .stats import BlockwiseGenerateOutput, GenerationStats
+from .batch_width import BatchWidth, batch_chains, forward_costs, shadow_accepted
 from .stopping import DecodedSequence
-from .tree import DraftTree, choose_token, walk
+from .tree import DraftTree, GreedyRows, choose_token, walk, walk_greedy
 
-COMPACT_HOLES = 0.25  # compact the cache when this share of its slots are holes
+COMPACT_HOLES = 0.25  # compact the cache when compacting would free this share of its slots
 
 
 class _Row(DecodedSequence):
@@ -72,6 +78,9 @@ class RaggedCache:
         tail to the longest kept list."""
         width = max(len(k) for k in kept)
         device = self.valid.device
+        if block == 1:  # plain steps: every row keeps its one new slot where it is
+            self.valid = torch.cat([self.valid, torch.ones(len(kept), 1, dtype=torch.bool, device=device)], dim=1)
+            return
         index = torch.tensor([k + [0] * (width - len(k)) for k in kept], device=device)
         for layer in self._layers():
             past = layer.keys.shape[-2] - block
@@ -82,7 +91,7 @@ class RaggedCache:
                 setattr(layer, name, states[..., : past + width, :])
         tail = torch.arange(width, device=device)[None] < torch.tensor([len(k) for k in kept], device=device)[:, None]
         self.valid = torch.cat([self.valid, tail], dim=1)
-        if 1 - float(self.valid.float().mean()) > COMPACT_HOLES:
+        if 1 - int(self.counts().max()) / self.length > COMPACT_HOLES:  # what compacting would free
             self.compact()
 
     def compact(self) -> None:
@@ -132,6 +141,31 @@ def _block_masks(trees: list[DraftTree], ragged: RaggedCache, width: int, dtype,
     return positions, (masks["full_attention"] if set(masks) == {"full_attention"} else masks)
 
 
+def _chain_trees(model, active: list[_Row], policy: BatchWidth, shadows: dict, drafting_ms: float, num_heads: int,
+                 generation_config) -> list[DraftTree]:
+    """One step's draft trees at the width `policy` chooses: each row's heads chain cut to it, or no drafts (a plain
+    step; shadow drafts are kept for the rows when a probe is due)."""
+    width = policy.choose([row.index for row in active], drafting_ms,
+                          [generation_config.max_length - row.sequence.shape[1] for row in active])
+    chains = None
+    if width > 1 or policy.probe_due():
+        chains = batch_chains(model.heads, torch.stack([row.hidden for row in active]), num_heads)
+        if chains is None:  # sequential heads: each row's own drafter, its best draft
+            chains = [list((row.drafter.drafts(row.hidden, row.tokens, num_heads)[0] or [()])[0]) for row in active]
+    policy.stepped(width, chains is not None)
+    trees = []
+    for r, row in enumerate(active):
+        room = generation_config.max_length - row.sequence.shape[1] - 1
+        if width > 1:
+            trees.append(DraftTree([tuple(chains[r][: min(width - 1, room)])] if room > 0 else []))
+        else:
+            trees.append(DraftTree([]))
+            if chains is not None and row.index not in shadows:
+                shadows[row.index] = (list(chains[r]), len(row.tokens))
+        row.stats.draft_probs.append([])
+    return trees
+
+
 def decode_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, plan, attention_mask):
     """Decode every row of `input_ids` (left-padded, `attention_mask` marking the padding) with drafting; returns
     what transformers' batched `generate()` returns (rows that stop early are right-padded with the pad token)."""
@@ -148,6 +182,7 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
     do_sample = generation_config.do_sample
     keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+    plain_greedy = not do_sample and len(logits_processor) == 0 and not keep_scores and not keep_logits
     device, batch = input_ids.device, input_ids.shape[0]
     mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     if bool((mask[:, -1] == 0).any()):
@@ -184,19 +219,35 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
 
     active = [row for row in rows if not row.stopped]
     ragged.select(torch.tensor([row.index for row in active], dtype=torch.long, device=device))
+    num_heads = plan.drafter.num_heads
+    policy = None
+    if not plan.row_drafts:
+        policy = BatchWidth(forward_costs(base, len(active) * (num_heads + 1)), num_heads + 1, batch)
+        stats.method = "chain/cost-aware+batch"
+        for row in rows:
+            row.stats.method = stats.method
+    shadows: dict[int, tuple[list[int], int]] = {}  # row -> (shadow draft, tokens decoded when it was drafted)
+    drafting_ms = 0.0  # running cost of drafting every row
     while active:
         start = time.perf_counter()
-        trees = []
-        for row in active:
-            room = generation_config.max_length - row.sequence.shape[1] - 1
-            drafts, probs = row.drafter.drafts(row.hidden, row.tokens, room)
-            row.stats.draft_probs.append(probs)
-            trees.append(DraftTree(drafts))
+        if policy is None:  # each row's drafter, every draft verified
+            trees = []
+            for row in active:
+                room = generation_config.max_length - row.sequence.shape[1] - 1
+                drafts, probs = row.drafter.drafts(row.hidden, row.tokens, room)
+                row.stats.draft_probs.append(probs)
+                trees.append(DraftTree(drafts))
+        else:
+            trees = _chain_trees(model, active, policy, shadows, drafting_ms, num_heads, generation_config)
+            if policy.drafted:
+                ms = 1000 * (time.perf_counter() - start)
+                drafting_ms = ms if drafting_ms == 0.0 else 0.7 * drafting_ms + 0.3 * ms
         stats.draft_seconds += time.perf_counter() - start
         width = max(len(t) for t in trees) + 1
         tokens = torch.zeros(len(active), width, dtype=torch.long, device=device)
         for r, (row, tree) in enumerate(zip(active, trees)):
             tokens[r, : len(tree) + 1] = torch.tensor([int(row.sequence[0, -1])] + tree.tokens)
+        forward_start = time.perf_counter()
         positions, masks = _block_masks(trees, ragged, width, base.dtype, layer_types, sliding_window)
         out = model(input_ids=tokens, attention_mask=masks, position_ids=positions, **{CACHE_NAME: ragged.cache},
                     use_cache=True, return_head_logits=False)
@@ -204,14 +255,27 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
 
         kept_slots = []
         for r, (row, tree) in enumerate(zip(active, trees)):
-            new, path, position, step_logits, step_scores = walk(tree, block_logits[r], row.sequence,
-                                                                 logits_processor, do_sample)
+            if plain_greedy:  # the raw logits decide: the block's greedy choices read in place
+                new, path, position, _ = walk_greedy(tree, GreedyRows(block_logits[r]))
+                step_logits = step_scores = []
+            else:
+                new, path, position, step_logits, step_scores = walk(tree, block_logits[r], row.sequence,
+                                                                     logits_processor, do_sample)
             kept_slots.append([0] + [c + 1 for c in path])
             row.hidden = block_hidden[r, position]
             row.stats.accepted_lengths.append(len(path))
             row.stats.draft_tokens.append(len(tree))
             row.accept(new, step_logits, step_scores)
+            if policy is not None:
+                if len(tree):
+                    policy.record(row.index, len(tree), len(path))
+                shadow = shadows.get(row.index)
+                if shadow is not None and (len(row.tokens) - shadow[1] >= len(shadow[0]) or row.stopped):
+                    del shadows[row.index]
+                    policy.record(row.index, *shadow_accepted(shadow[0], row.tokens[shadow[1]:]))
         ragged.keep_tail(width, kept_slots)
+        if policy is not None:
+            policy.timing(len(active) * width, 1000 * (time.perf_counter() - forward_start))
         forward_passes += 1
         still = [r for r, row in enumerate(active) if not row.stopped]
         if len(still) < len(active):

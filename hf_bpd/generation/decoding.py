@@ -57,6 +57,8 @@ class DecodingPlan:
     schedule: str = "fixed"  # "cost": verify only the drafted tokens that pay (`hf_bpd.generation.budget`)
     tie_margin: float | None = None  # greedy near-ties decided by the base's eager generate() (`near_ties`)
     heads_int8: bool | None = None  # the heads step with int8 weights on CPU (`int8_heads`; None: when compiled)
+    row_drafts: bool = False  # batches: each row drafts with `drafter` as asked (drafting options given in the call),
+    # not the batched heads chains at a cost-aware width (`hf_bpd.generation.batch`)
 
 
 def max_positions(base) -> int | None:
@@ -199,12 +201,18 @@ def plan_plain() -> DecodingPlan:
     return DecodingPlan(drafter=NoDrafter(), stats=GenerationStats(method="plain-compiled"))
 
 
+# the drafting options that, given in a call, make each row of a batch draft as they say (`DecodingPlan.row_drafts`)
+ROW_DRAFTING_OPTIONS = ("rescorer", "num_drafts", "tree", "draft_top_k", "prompt_lookup", "draft_nodes",
+                        "draft_schedule")
+
+
 def plan_call(model, options: DraftingOptions, kwargs: dict) -> DecodingPlan:
     """The plan of one `generate()` call: drafting (or plain decoding, compiled), with the call's streamer."""
     plan = plan_drafting(model, options) if options.use_heads else plan_plain()
     plan.compile = options.compile
     plan.tie_margin = options.tie_margin
     plan.heads_int8 = options.heads_int8
+    plan.row_drafts = bool(set(options.explicit) & set(ROW_DRAFTING_OPTIONS))
     plan.streamer = kwargs.pop("streamer", None)
     return plan
 

@@ -24,7 +24,6 @@ import torch
 import torch._dynamo.config as dynamo_config
 import torch._inductor.config as inductor_config
 from torch import nn
-from transformers.cache_utils import StaticCache
 
 from ..kv_cache import CACHE_NAME
 from .attention import grouped_query_attention, uses_grouped_attention
@@ -32,7 +31,7 @@ from .inlining import INDUCTOR_OPTIONS, compiler_options
 from .int8_heads import int8_heads_step, kernel_file
 from .prefetch import prefetching_gemm_template
 from .quiet import quiet_compilation
-from .step import VerificationStep
+from .step import VerificationStep, verification_cache
 
 if TYPE_CHECKING:
     from ..generation.tree import DraftTree
@@ -135,7 +134,7 @@ class CompiledRunner:
     def __init__(self, base, max_cache_len: int):
         self.base = base
         self.max_cache_len = max_cache_len
-        self.cache = StaticCache(config=base.config, max_cache_len=max_cache_len)
+        self.cache = verification_cache(base.config, max_cache_len)
         self.step = VerificationStep(base, self.cache).eval()
         # The inductor settings are applied with `config.patch` around every call (compilation happens lazily, in the
         # first call per shape): passing them as `torch.compile(options=...)` did not enable the GEMM templates here

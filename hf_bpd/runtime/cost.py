@@ -61,6 +61,7 @@ def measure_costs(base, lengths, compiled: bool = True, past: int = 200, repeats
     vocab = base.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab, (1, past), device=device)
     cache = DynamicCache(config=base.config.get_text_config(decoder=True))
+    cache.activate_past_recording()  # sliding-window layers keep what the crop after each timed forward needs
     base(input_ids=prompt, **{CACHE_NAME: cache}, use_cache=True, logits_to_keep=1)
     eager, compiled_ms, compile_seconds = [], [], []
 

@@ -1,13 +1,50 @@
 """The unit every compiled verification runs: the base's decoder and output layer over a block on a static cache,
-and which bases it can serve (`compile=True`'s `torch.compile`d steps and the ahead-of-time artifacts alike)."""
+and which bases it can serve (`compile=True`'s `torch.compile`d steps and the ahead-of-time artifacts alike).
+
+Bases with sliding-window layers (Gemma 2/3's hybrid layouts: `layer_types` mixing `"full_attention"` and
+`"sliding_attention"`) run on the same cache: every layer keeps every position (`verification_cache`, no rolling
+buffer), and the step derives the sliding layers' mask from the full one, closing the keys a query's window no longer
+reaches (`query position - key position >= sliding_window`, transformers' own rule). Slot `i` of the cache holds
+position `i` (rollback compacts the accepted path), so the rule is a comparison with the slot index. A rollback is then
+the same key/value move for every layer type, and the window costs nothing until the context outgrows it.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.cache_utils import StaticCache
+from transformers.cache_utils import Cache, StaticCache, StaticLayer
 
 from ..kv_cache import CACHE_NAME
+
+WINDOWED_LAYER_TYPES = ("full_attention", "sliding_attention")  # the layer types a compiled step serves
+
+
+def sliding_window_of(base) -> int | None:
+    """The window of `base`'s sliding-window layers when its `layer_types` name any (None otherwise)."""
+    text_config = base.config.get_text_config(decoder=True)
+    if "sliding_attention" not in (getattr(text_config, "layer_types", None) or ()):
+        return None
+    return getattr(text_config, "sliding_window", None)
+
+
+class VerificationCache(StaticCache):
+    """A `StaticCache` whose every layer holds every position (`StaticLayer`s), sliding-window layers included: the
+    step's masks bound the windows (see the module docstring)."""
+
+    def __init__(self, config, max_cache_len: int):
+        text_config = config.get_text_config(decoder=True)
+        Cache.__init__(self, layers=[StaticLayer(max_cache_len=max_cache_len)
+                                     for _ in range(text_config.num_hidden_layers)])
+
+
+def verification_cache(config, max_cache_len: int) -> StaticCache:
+    """The static cache a compiled step runs on: transformers' own `StaticCache` for full-attention bases, a
+    `VerificationCache` for bases with sliding-window layers."""
+    text_config = config.get_text_config(decoder=True)
+    if "sliding_attention" in (getattr(text_config, "layer_types", None) or ()):
+        return VerificationCache(config, max_cache_len)
+    return StaticCache(config=config, max_cache_len=max_cache_len)
 
 
 class VerificationStep(nn.Module):
@@ -20,8 +57,14 @@ class VerificationStep(nn.Module):
         self.cache = cache
         softcap = getattr(base.config.get_text_config(), "final_logit_softcapping", None)
         self.softcap = float(softcap) if softcap else None
+        self.window = sliding_window_of(base)
 
     def forward(self, input_ids, position_ids, cache_position, attention_mask):
+        if self.window is not None:  # a key `window` or more positions behind a query is out of its reach
+            slots = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+            too_old = slots[None, :] <= position_ids[0, :, None] - self.window
+            sliding = attention_mask.masked_fill(too_old, torch.finfo(attention_mask.dtype).min)
+            attention_mask = {"full_attention": attention_mask, "sliding_attention": sliding}
         hidden = self.base.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                          cache_position=cache_position, attention_mask=attention_mask,
                                          **{CACHE_NAME: self.cache}, use_cache=True).last_hidden_state
@@ -34,8 +77,12 @@ class VerificationStep(nn.Module):
 def compile_unsupported_reason(base) -> str | None:
     """Why a compiled step (in-process or an artifact) cannot serve `base` (None when it can)."""
     text_config = base.config.get_text_config(decoder=True)
-    if any(t != "full_attention" for t in (getattr(text_config, "layer_types", None) or ["full_attention"])):
-        return "its sliding-window layers need a rolling cache"
+    layer_types = getattr(text_config, "layer_types", None) or ["full_attention"]
+    unserved = sorted(set(layer_types) - set(WINDOWED_LAYER_TYPES))
+    if unserved:
+        return f"its {', '.join(unserved)} layers have no compiled step"
+    if "sliding_attention" in layer_types and not getattr(text_config, "sliding_window", None):
+        return "its sliding-window layers name no window"
     if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True) \
             and getattr(text_config, "layer_types", None) is None and "mistral" in text_config.model_type:
         return "its sliding-window layers need a rolling cache"

@@ -1,0 +1,203 @@
+"""How many tokens each row of a batch verifies per step: the cost-aware switch of batched drafting.
+
+A batched step verifies a block of `W` tokens per row (the row's last token and up to `W - 1` drafted ones, every
+row padded to the same `W`), so it costs one base forward over `rows x W` tokens, `cost(rows * W)`. Row `r` is
+expected to gain `E_r(W) = 1 + sum_{j < W} prod_{d <= j} p_{r,d}` tokens from it, where `p_{r,d}` is its running
+rate of accepting its draft token at depth `d` once the ones before it were accepted. A batch runs until its slowest
+row is done, so what a step buys is the progress of the rows with the most left to decode (the "laggards": within
+`LAGGARDS` of the most tokens left), the least of their gains: each step takes the `W` with the most of it per
+millisecond, `min_laggards E_r(W) / (cost(rows * W) + drafting)`, a wider block only when it beats the best narrower
+one by `MARGIN`; `W = 1` is a plain step (nothing drafted, nothing padded). On a CPU a forward's cost grows with its
+tokens (SmolLM2, eager, AMD EPYC: ~110 ms for a batch of 16 one-token rows, ~160 for 16 two-token rows), so a batch of
+16 rows verifying 8 tokens each lost to plain batched decoding; the switch verifies the depths that pay, and none
+when none do.
+
+The rates: each row counts, per depth, the draft tokens it had verified (`tries`) and accepted (`hits`), shrunk
+towards the batch's pooled rate at that depth (`PRIOR` pseudo-observations; the batch's own towards `START_RATE`).
+While plain steps run nothing is verified, so every `PROBE_EVERY`-th plain step (every `4 * PROBE_EVERY`-th while
+no width comes within `HOPELESS` of paying) drafts anyway (one batched heads call) and the drafts are scored against
+the tokens the rows then decode ("shadow" drafts: counted like verified ones, at no verification cost). The first step
+of a call is plain: it measures what a step of this batch costs before any width is weighed. The costs: the base's eager forward of `n` tokens on this machine, measured once per process
+at a few lengths and interpolated (`forward_costs`), then corrected by the call's own steps as they come in: a
+step's measured time (forward, acceptance and cache bookkeeping; drafting is counted apart) replaces the figure for
+its `rows * W` (an exponential average over its steps), and the table's other figures are scaled by the running ratio of
+measured to tabled time (a batch's forward costs more than one sequence's of as many tokens: each row attends to
+its own cache).
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+
+import torch
+
+PRIOR = 4.0  # pseudo-observations of the pooled rate in each row's rate
+START_RATE = 0.5  # the pooled rate before anything was verified
+PROBE_EVERY = 8  # plain steps between shadow drafts (4x as many while drafting is far from paying)
+HOPELESS = 0.85  # "far from paying": the best drafted width's tokens per ms under this share of a plain step's
+MARGIN = 0.05  # a wider block must beat the best narrower one by this share (estimates err; plain is safe)
+LAGGARDS = 0.8  # rows with at least this share of the most tokens left set the batch's pace
+TIMING_WEIGHT = 0.3  # weight of a step's own timing in the running cost of its token count (0: the table only)
+COST_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # forwards measured for the table (interpolated between)
+_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> {n: ms}
+
+
+@torch.no_grad()
+def forward_costs(base, max_tokens: int) -> dict[int, float]:
+    """`{n: ms}` of the base's eager forward of `n` tokens at `COST_LENGTHS` up to the first one covering
+    `max_tokens` (the stored `hf-bpd profile` table where it has them, else measured now, once per process)."""
+    from ..runtime.cost import load_costs, measure_costs
+
+    lengths = [n for n in COST_LENGTHS if n < max_tokens] + [next((n for n in COST_LENGTHS if n >= max_tokens),
+                                                                  max_tokens)]
+    known = _COSTS.setdefault(base, {})
+    stored = load_costs(base)
+    if stored is not None:
+        known.update({n: ms for n, ms in zip(stored["lengths"], stored["eager_ms"]) if n not in known})
+    missing = [n for n in lengths if n not in known]
+    if missing:
+        measured = measure_costs(base, missing, compiled=False, past=64, repeats=2)
+        known.update(zip(measured["lengths"], measured["eager_ms"]))
+    return known
+
+
+class BatchWidth:
+    """The per-step block width of a batch (see the module docstring).
+
+    Args:
+        costs: `{n: ms}` eager forward costs (at least `n = 1`), interpolated linearly between lengths.
+        max_width: the widest block the drafter fills (its last token plus its drafts).
+        rows: the batch's rows (row indices stay fixed as rows leave).
+    """
+
+    def __init__(self, costs: dict[int, float], max_width: int, rows: int):
+        if 1 not in costs:
+            raise ValueError("the cost table needs the one-token forward")
+        self.lengths = sorted(costs)
+        self.table = [costs[n] for n in self.lengths]
+        self.timed: dict[int, float] = {}  # n -> running ms of this call's own steps
+        self.scale = 1.0  # running ratio of measured step times to the table's
+        self.steps_timed = 0
+        self.max_width = max_width
+        depths = max(max_width - 1, 1)
+        self.tries = [[0] * depths for _ in range(rows)]
+        self.hits = [[0] * depths for _ in range(rows)]
+        self.plain_steps = 0  # plain steps since the last drafted or probed one
+        self.drafted = False  # whether the last step drafted (verified or shadow drafts)
+        self.hopeless = False  # whether the last choice found every drafted width far from paying
+
+    def cost(self, n: int) -> float:
+        """ms of a step over `n` tokens: this call's timing of `n` when there is one, else the table's (scaled)."""
+        if n in self.timed:
+            return self.timed[n]
+        return self.scale * self.tabled(n)
+
+    def tabled(self, n: int) -> float:
+        """The table's ms for a forward over `n` tokens (linear between its lengths, and past the last one)."""
+        lengths, table = self.lengths, self.table
+        i = bisect.bisect_left(lengths, n)
+        if i < len(lengths) and lengths[i] == n:
+            return table[i]
+        if i == 0:
+            return table[0]
+        if i == len(lengths):  # past the table: the last segment's slope
+            if len(lengths) == 1:
+                return table[0] * n
+            slope = (table[-1] - table[-2]) / (lengths[-1] - lengths[-2])
+            return table[-1] + slope * (n - lengths[-1])
+        share = (n - lengths[i - 1]) / (lengths[i] - lengths[i - 1])
+        return table[i - 1] + share * (table[i] - table[i - 1])
+
+    def timing(self, n: int, ms: float) -> None:
+        """A step over `n` tokens took `ms` (this call's own steps refine the table)."""
+        self.steps_timed += 1
+        if TIMING_WEIGHT <= 0:
+            return
+        ratio = ms / max(self.tabled(n), 1e-6)
+        before = self.timed.get(n)
+        self.timed[n] = ms if before is None else (1 - TIMING_WEIGHT) * before + TIMING_WEIGHT * ms
+        self.scale = ratio if self.steps_timed == 1 else (1 - TIMING_WEIGHT) * self.scale + TIMING_WEIGHT * ratio
+
+    def rates(self, row: int) -> list[float]:
+        """Row `row`'s acceptance rate per depth, shrunk towards the batch's pooled rate."""
+        out = []
+        for d in range(len(self.tries[row])):
+            tries = sum(t[d] for t in self.tries)
+            pooled = (sum(h[d] for h in self.hits) + PRIOR * START_RATE) / (tries + PRIOR)
+            out.append((self.hits[row][d] + PRIOR * pooled) / (self.tries[row][d] + PRIOR))
+        return out
+
+    def expected(self, row: int, width: int) -> float:
+        """Tokens row `row` is expected to gain from a block of `width`."""
+        total, chain = 1.0, 1.0
+        for rate in self.rates(row)[: width - 1]:
+            chain *= rate
+            total += chain
+        return total
+
+    def choose(self, rows: list[int], drafting_ms: float = 0.0, remaining: list[int] | None = None) -> int:
+        """The block width for a step of `rows` (1: a plain step); `drafting_ms` is what drafting the rows costs,
+        `remaining[i]` how many tokens row `rows[i]` may still decode (see `LAGGARDS`)."""
+        if self.steps_timed == 0:  # the table is one sequence's: a first plain step measures what a batch costs
+            self.hopeless = False
+            return 1
+        if remaining is None:
+            remaining = [1] * len(rows)
+        most = max(remaining)
+        laggards = [r for r, left in zip(rows, remaining) if left >= LAGGARDS * most]
+        cost_plain = self.cost(len(rows))
+        best, best_value, drafted = 1, 1.0 / cost_plain, 0.0
+        for w in range(2, self.max_width + 1):
+            gain = min(self.expected(r, w) for r in laggards)
+            value = gain / (self.cost(len(rows) * w) + drafting_ms)
+            if value > best_value * (1 + MARGIN):
+                best, best_value = w, value
+            drafted = max(drafted, value)
+        self.hopeless = drafted * cost_plain < HOPELESS  # no width came close: probe less often
+        return best
+
+    def probe_due(self) -> bool:
+        """Whether this plain step should draft anyway (shadow drafts, see the module docstring)."""
+        return self.plain_steps + 1 >= (PROBE_EVERY * 4 if self.hopeless else PROBE_EVERY)
+
+    def stepped(self, width: int, drafted: bool) -> None:
+        """A step of `width` ran; `drafted`: its rows drafted (for verification or as shadow drafts)."""
+        self.drafted = drafted
+        self.plain_steps = 0 if width > 1 or drafted else self.plain_steps + 1
+
+    def record(self, row: int, tried: int, accepted: int) -> None:
+        """Row `row` had `tried` draft tokens checked (verified, or shadow drafts against its next tokens) and the
+        first `accepted` of them matched."""
+        for d in range(min(tried, len(self.tries[row]))):
+            self.tries[row][d] += 1
+            if d < accepted:
+                self.hits[row][d] += 1
+            else:
+                break
+
+
+def shadow_accepted(draft: list[int], decoded: list[int]) -> tuple[int, int]:
+    """`(tried, accepted)` of a shadow draft against the tokens the row decoded after it (for `BatchWidth.record`):
+    tokens past what it decoded are not counted."""
+    tried = min(len(draft), len(decoded))
+    accepted = 0
+    while accepted < tried and draft[accepted] == decoded[accepted]:
+        accepted += 1
+    return tried, accepted
+
+
+@torch.no_grad()
+def batch_chains(heads, hidden: torch.Tensor, num_heads: int) -> list[list[int]] | None:
+    """Every row's draft chain (the heads' argmax tokens) from the rows' hidden states `(rows, hidden_size)`, in one
+    batched heads call (a tied output projection read once for all heads and rows); None for sequential heads (each
+    reads the previous head's token: drafted per row)."""
+    if heads.sequential or num_heads <= 0:
+        return None
+    dtype = hidden.dtype
+    states = [heads.heads[i](hidden.to(next(heads.parameters()).dtype)).to(dtype) for i in range(num_heads)]
+    if heads.heads[0].projection is None:  # one product for every head
+        logits = heads.project(0, torch.stack(states))
+    else:
+        logits = torch.stack([heads.project(i, state) for i, state in enumerate(states)])
+    return heads.to_vocab_ids(logits.argmax(-1)).T.tolist()  # (rows, heads)
