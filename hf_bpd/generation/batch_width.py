@@ -119,22 +119,28 @@ class BatchWidth:
         self.timed[n] = ms if before is None else (1 - TIMING_WEIGHT) * before + TIMING_WEIGHT * ms
         self.scale = ratio if self.steps_timed == 1 else (1 - TIMING_WEIGHT) * self.scale + TIMING_WEIGHT * ratio
 
-    def rates(self, row: int) -> list[float]:
+    def pooled(self) -> list[float]:
+        """The batch's acceptance rate per depth (every row's counts, shrunk towards `START_RATE`)."""
+        return [(sum(h[d] for h in self.hits) + PRIOR * START_RATE) / (sum(t[d] for t in self.tries) + PRIOR)
+                for d in range(len(self.tries[0]))]
+
+    def rates(self, row: int, pooled: list[float] | None = None) -> list[float]:
         """Row `row`'s acceptance rate per depth, shrunk towards the batch's pooled rate."""
-        out = []
-        for d in range(len(self.tries[row])):
-            tries = sum(t[d] for t in self.tries)
-            pooled = (sum(h[d] for h in self.hits) + PRIOR * START_RATE) / (tries + PRIOR)
-            out.append((self.hits[row][d] + PRIOR * pooled) / (self.tries[row][d] + PRIOR))
-        return out
+        pooled = self.pooled() if pooled is None else pooled
+        return [(hits + PRIOR * rate) / (tries + PRIOR)
+                for hits, tries, rate in zip(self.hits[row], self.tries[row], pooled)]
+
+    def gains(self, row: int, pooled: list[float] | None = None) -> list[float]:
+        """Tokens row `row` is expected to gain from a block of width 1, 2, ... `max_width`."""
+        out, chain = [1.0], 1.0
+        for rate in self.rates(row, pooled)[: self.max_width - 1]:
+            chain *= rate
+            out.append(out[-1] + chain)
+        return out + [out[-1]] * (self.max_width - len(out))
 
     def expected(self, row: int, width: int) -> float:
         """Tokens row `row` is expected to gain from a block of `width`."""
-        total, chain = 1.0, 1.0
-        for rate in self.rates(row)[: width - 1]:
-            chain *= rate
-            total += chain
-        return total
+        return self.gains(row)[width - 1]
 
     def choose(self, rows: list[int], drafting_ms: float = 0.0, remaining: list[int] | None = None) -> int:
         """The block width for a step of `rows` (1: a plain step); `drafting_ms` is what drafting the rows costs,
@@ -148,8 +154,10 @@ class BatchWidth:
         laggards = [r for r, left in zip(rows, remaining) if left >= LAGGARDS * most]
         cost_plain = self.cost(len(rows))
         best, best_value, drafted = 1, 1.0 / cost_plain, 0.0
+        pooled = self.pooled()
+        least = [min(column) for column in zip(*(self.gains(r, pooled) for r in laggards))]
         for w in range(2, self.max_width + 1):
-            gain = min(self.expected(r, w) for r in laggards)
+            gain = least[w - 1]
             value = gain / (self.cost(len(rows) * w) + drafting_ms)
             if value > best_value * (1 + MARGIN):
                 best, best_value = w, value
