@@ -314,7 +314,7 @@ def test_a_batch_drafts_and_matches_batched_plain_decoding():
     model = random_bpd("llama", 0)
     ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
     drafted = model.generate(ids, max_new_tokens=4, eos_token_id=None)
-    assert drafted.shape == (2, 9) and model.last_generation_stats.method == "chain+batch"
+    assert drafted.shape == (2, 9) and model.last_generation_stats.method == "chain/cost-aware+batch"
     assert torch.equal(drafted, model.generate(ids, max_new_tokens=4, eos_token_id=None, use_heads=False))
 
 

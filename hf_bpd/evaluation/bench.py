@@ -15,8 +15,8 @@ transformers, ...):
 * `summary`: one row per method over every prompt, `by_category`: one per (category, method). Row keys: `method`,
   `category`, `samples`, `new_tokens`, `seconds`, `tokens_per_s` (new tokens / seconds), `speedup_vs_ar` (tokens/s
   over ar's on the same prompts), `vs_best_plain` (tokens/s over the faster of the plain paths that ran, `ar` and
-  `ar-compiled`: what a user compares with), `block_efficiency` (new tokens / serial calls), `serial_calls`, `mean_accepted`
-  (accepted draft tokens per serial call after the first), `draft_share` (drafting time / total time), `exact`
+  `ar-compiled`: what a user compares with), `block_efficiency` (new tokens / serial calls), `serial_calls`,
+  `mean_accepted` (accepted draft tokens per serial call after the first), `draft_share` (drafting time / total time), `exact`
   (every output token-identical to ar's) and `exact_rate`.
 * `samples`: one record per (prompt, turn, method): `id`, `category`, `turn`, `method`, `prompt_tokens`,
   `new_tokens`, `seconds`, `tokens_per_s`, `speedup_vs_ar` (ar's seconds / this method's), `serial_calls`,
@@ -328,8 +328,8 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 
 def markdown_report(report: dict) -> str:
-    header = ("| method | tok/s | speed-up vs ar | vs best plain | block efficiency | mean accepted | draft time | exact |\n"
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | :---: |")
+    header = ("| method | tok/s | speed-up vs ar | vs best plain | block efficiency | mean accepted | draft time "
+              "| exact |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | :---: |")
 
     def row(r, label):
         share = None if r["draft_share"] is None else 100 * r["draft_share"]

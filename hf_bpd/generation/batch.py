@@ -15,8 +15,9 @@ decoding keeps them. The layout here ("ragged rows on one cache"):
 * A row that meets a stopping criterion leaves the batch: its cache row is dropped, so finished rows cost nothing.
 
 Drafts: every row's chain of the heads' argmax tokens, from one batched heads call (`batch_width.batch_chains`); the
-single-prompt drafting options (rescorers, p-best, trees, prompt lookup, node budgets, `draft_schedule`) do not apply
-to batches. How many of its drafted tokens each row verifies is decided per step by `batch_width.BatchWidth` from the
+checkpoint's single-prompt drafting settings (rescorers, p-best, trees, prompt lookup, node budgets, `draft_schedule`)
+do not apply to batches, and given in the call they make each row draft as they say, every drafted token verified
+(`DecodingPlan.row_drafts`). How many of its drafted tokens each row verifies is decided per step by `batch_width.BatchWidth` from the
 machine's forward costs and the rows' running acceptance: a block only as wide as pays, and plain one-token steps
 (nothing drafted) when drafting does not pay. Verification is eager (compiled verification runs one sequence).
 Streaming: one streamer per row (`streamer=[...]`), each fed its row's prompt and accepted tokens and ended when the
@@ -38,8 +39,8 @@ import torch
 
 from ..errors import BPDConfigError
 from ..kv_cache import CACHE_NAME
-from .stats import BlockwiseGenerateOutput, GenerationStats
 from .batch_width import BatchWidth, batch_chains, forward_costs, shadow_accepted
+from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import DecodedSequence
 from .tree import DraftTree, GreedyRows, choose_token, walk, walk_greedy
 

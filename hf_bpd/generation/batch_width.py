@@ -14,15 +14,15 @@ when none do.
 
 The rates: each row counts, per depth, the draft tokens it had verified (`tries`) and accepted (`hits`), shrunk
 towards the batch's pooled rate at that depth (`PRIOR` pseudo-observations; the batch's own towards `START_RATE`).
-While plain steps run nothing is verified, so every `PROBE_EVERY`-th plain step (every `4 * PROBE_EVERY`-th while
-no width comes within `HOPELESS` of paying) drafts anyway (one batched heads call) and the drafts are scored against
-the tokens the rows then decode ("shadow" drafts: counted like verified ones, at no verification cost). The first step
-of a call is plain: it measures what a step of this batch costs before any width is weighed. The costs: the base's eager forward of `n` tokens on this machine, measured once per process
-at a few lengths and interpolated (`forward_costs`), then corrected by the call's own steps as they come in: a
-step's measured time (forward, acceptance and cache bookkeeping; drafting is counted apart) replaces the figure for
-its `rows * W` (an exponential average over its steps), and the table's other figures are scaled by the running ratio of
-measured to tabled time (a batch's forward costs more than one sequence's of as many tokens: each row attends to
-its own cache).
+While plain steps run nothing is verified, so every `PROBE_EVERY`-th plain step (every `4 * PROBE_EVERY`-th while no
+width comes within `HOPELESS` of paying) drafts anyway (one batched heads call) and the drafts are scored against
+the tokens the rows then decode ("shadow" drafts: counted like verified ones, at no verification cost). The first
+step of a call is plain: it measures what a step of this batch costs before any width is weighed. The costs: the
+base's eager forward of `n` tokens on this machine, measured once per process at a few lengths and interpolated
+(`forward_costs`), then corrected by the call's own steps as they come in: a step's measured time (forward,
+acceptance and cache bookkeeping; drafting is counted apart) replaces the figure for its `rows * W` (an exponential
+average over its steps), and the table's other figures are scaled by the running ratio of measured to tabled time (a
+batch's forward costs more than one sequence's of as many tokens: each row attends to its own cache).
 """
 
 from __future__ import annotations
