@@ -108,7 +108,7 @@ def test_readme_main_job_prints_text_block_efficiency_and_speedup(shipped, capsy
 
 def test_shipped_gemma_checkpoint_is_exact_and_drafts(tmp_path):
     """The second packaged base: gemma-3-270m heads (bf16-stored, loaded in the base's fp32) with their bundled
-    4-gram; a batch of two prompts too (sliding-window layers, batched drafting)."""
+    4-gram, its compiled defaults; a batch of two prompts too (sliding-window layers, batched drafting)."""
     from tests.test_batch import left_padded
 
     gemma = CHECKPOINT.parent / "gemma-3-270m-bpd"
@@ -122,8 +122,11 @@ def test_shipped_gemma_checkpoint_is_exact_and_drafts(tmp_path):
     accepted = 0
     for ids in prompts:
         want = model.base_lm.generate(ids[None], max_new_tokens=32, do_sample=False)
-        for options in ({}, {"rescorer": None}, {"num_drafts": 4}):
+        # the defaults: compiled verification (sliding-window layers on the full-length static cache); the other
+        # drafting shapes eagerly (each compiled block shape costs a minute here)
+        for options in ({}, {"rescorer": None, "compile": False}, {"num_drafts": 4, "compile": False}):
             assert torch.equal(model.generate(ids[None], max_new_tokens=32, do_sample=False, **options), want)
+            assert model.last_generation_stats.verifier == ("eager" if "compile" in options else "compiled")
             accepted += sum(model.last_generation_stats.accepted_lengths)
     assert accepted > 0
     batch, mask = left_padded(prompts)
