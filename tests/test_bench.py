@@ -16,7 +16,8 @@ from tests.conftest import tiny_smollm2_vocab_base
 METHODS = list(default_decoders())
 
 SUMMARY_KEYS = {"method", "category", "samples", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_ar",
-                "vs_best_plain", "block_efficiency", "serial_calls", "mean_accepted", "draft_share", "exact", "exact_rate"}
+                "vs_best_plain", "block_efficiency", "serial_calls", "mean_accepted", "draft_share", "exact",
+                "exact_rate"}
 SAMPLE_KEYS = {"id", "category", "turn", "method", "prompt_tokens", "new_tokens", "seconds", "tokens_per_s",
                "speedup_vs_ar", "serial_calls", "block_efficiency", "mean_accepted", "accepted_lengths",
                "draft_seconds", "draft_tokens", "tie_checks", "tie_changes", "tie_seconds", "output_ids", "exact"}

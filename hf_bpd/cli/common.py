@@ -15,8 +15,8 @@ DEFAULT_QUESTIONS = "benchmarks/dev_prompts.jsonl"
 # Built-in rescorer names and bench's default methods, written out so that the parser needs no import of torch
 # (tests keep them equal to `hf_bpd.available_rescorers()` and `hf_bpd.evaluation.bench.DEFAULT_METHODS`).
 RESCORER_NAMES = ("neural", "ngram")
-BENCH_DEFAULT_METHODS = ("ar", "ar-compiled", "pld", "early-exit", "bpd", "bpd+ngram", "bpd+neural", "pbest", "pbest-ngram", "tree",
-                         "tree+ngram", "default")
+BENCH_DEFAULT_METHODS = ("ar", "ar-compiled", "pld", "early-exit", "bpd", "bpd+ngram", "bpd+neural", "pbest",
+                         "pbest-ngram", "tree", "tree+ngram", "default")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_HELP = "where the model runs: cpu, cuda, cuda:N, mps, or auto (transformers' device_map='auto')"
 

@@ -16,8 +16,8 @@ transformers, ...):
   `category`, `samples`, `new_tokens`, `seconds`, `tokens_per_s` (new tokens / seconds), `speedup_vs_ar` (tokens/s
   over ar's on the same prompts), `vs_best_plain` (tokens/s over the faster of the plain paths that ran, `ar` and
   `ar-compiled`: what a user compares with), `block_efficiency` (new tokens / serial calls), `serial_calls`,
-  `mean_accepted` (accepted draft tokens per serial call after the first), `draft_share` (drafting time / total time), `exact`
-  (every output token-identical to ar's) and `exact_rate`.
+  `mean_accepted` (accepted draft tokens per serial call after the first), `draft_share` (drafting time / total
+  time), `exact` (every output token-identical to ar's) and `exact_rate`.
 * `samples`: one record per (prompt, turn, method): `id`, `category`, `turn`, `method`, `prompt_tokens`,
   `new_tokens`, `seconds`, `tokens_per_s`, `speedup_vs_ar` (ar's seconds / this method's), `serial_calls`,
   `block_efficiency`, `mean_accepted`, `accepted_lengths` and `draft_tokens` (per serial call), `draft_seconds`,
@@ -183,12 +183,14 @@ def _sample_record(question: dict, turn: int, method: str, prompt_length: int, n
 def summarize_samples(samples: list[dict], methods: Sequence[str], category: str = "all") -> list[dict]:
     """One row per method over `samples` (already filtered to one category, or all)."""
     rows = []
-    ref = [s for s in samples if s["method"] == REFERENCE]
-    ref_tps = sum(s["new_tokens"] for s in ref) / max(sum(s["seconds"] for s in ref), 1e-12) if ref else None
-    plain_tps = [sum(s["new_tokens"] for s in samples if s["method"] == m)
-                 / max(sum(s["seconds"] for s in samples if s["method"] == m), 1e-12)
-                 for m in PLAIN_METHODS if m in methods and any(s["method"] == m for s in samples)]
-    best_plain = max(plain_tps, default=None)
+
+    def tokens_per_s(method: str) -> float | None:  # over `method`'s samples; None when it has none
+        mine = [s for s in samples if s["method"] == method]
+        return sum(s["new_tokens"] for s in mine) / max(sum(s["seconds"] for s in mine), 1e-12) if mine else None
+
+    ref_tps = tokens_per_s(REFERENCE)
+    best_plain = max((tps for m in PLAIN_METHODS if m in methods and (tps := tokens_per_s(m)) is not None),
+                     default=None)
     for method in methods:
         mine = [s for s in samples if s["method"] == method]
         if not mine:

@@ -242,8 +242,8 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
 
 # What `hf-bpd bench` runs without --methods: the paper's methods, transformers' own and the checkpoint's default
 # (the other combinations are named explicitly; compiled ones compile for minutes first).
-DEFAULT_METHODS = ("ar", "ar-compiled", "pld", "early-exit", "bpd", "bpd+ngram", "bpd+neural", "pbest", "pbest-ngram", "tree",
-                   "tree+ngram", "default")
+DEFAULT_METHODS = ("ar", "ar-compiled", "pld", "early-exit", "bpd", "bpd+ngram", "bpd+neural", "pbest", "pbest-ngram",
+                   "tree", "tree+ngram", "default")
 
 
 def methods() -> list[str]:

@@ -15,13 +15,13 @@ decoding keeps them. The layout here ("ragged rows on one cache"):
 * A row that meets a stopping criterion leaves the batch: its cache row is dropped, so finished rows cost nothing.
 
 Drafts: every row's chain of the heads' argmax tokens, from one batched heads call (`batch_width.batch_chains`); the
-checkpoint's single-prompt drafting settings (rescorers, p-best, trees, prompt lookup, node budgets, `draft_schedule`)
-do not apply to batches, and given in the call they make each row draft as they say, every drafted token verified
-(`DecodingPlan.row_drafts`). How many of its drafted tokens each row verifies is decided per step by `batch_width.BatchWidth` from the
-machine's forward costs and the rows' running acceptance: a block only as wide as pays, and plain one-token steps
-(nothing drafted) when drafting does not pay. Verification is eager (compiled verification runs one sequence).
-Streaming: one streamer per row (`streamer=[...]`), each fed its row's prompt and accepted tokens and ended when the
-row stops.
+checkpoint's single-prompt drafting settings (rescorers, p-best, trees, prompt lookup, node budgets,
+`draft_schedule`) do not apply to batches, and given in the call they make each row draft as they say, every drafted
+token verified (`DecodingPlan.row_drafts`). How many of its drafted tokens each row verifies is decided per step by
+`batch_width.BatchWidth` from the machine's forward costs and the rows' running acceptance: a block only as wide as
+pays, and plain one-token steps (nothing drafted) when drafting does not pay. Verification is eager (compiled
+verification runs one sequence). Streaming: one streamer per row (`streamer=[...]`), each fed its row's prompt and
+accepted tokens and ended when the row stops.
 
 Each row is decoded exactly as transformers' batched plain `generate()` decodes it: logits processors and stopping
 criteria see the row's left-padded context, as they do there; for prompts without padding-sensitive processors
@@ -142,18 +142,20 @@ def _block_masks(trees: list[DraftTree], ragged: RaggedCache, width: int, dtype,
     return positions, (masks["full_attention"] if set(masks) == {"full_attention"} else masks)
 
 
-def _chain_trees(model, active: list[_Row], policy: BatchWidth, shadows: dict, drafting_ms: float, num_heads: int,
+def _chain_trees(model, active: list[_Row], policy: BatchWidth, shadows: dict, num_heads: int,
                  generation_config) -> list[DraftTree]:
     """One step's draft trees at the width `policy` chooses: each row's heads chain cut to it, or no drafts (a plain
     step; shadow drafts are kept for the rows when a probe is due)."""
-    width = policy.choose([row.index for row in active], drafting_ms,
+    width = policy.choose([row.index for row in active],
                           [generation_config.max_length - row.sequence.shape[1] for row in active])
-    chains = None
+    chains, drafting_ms = None, None
     if width > 1 or policy.probe_due():
+        start = time.perf_counter()
         chains = batch_chains(model.heads, torch.stack([row.hidden for row in active]), num_heads)
         if chains is None:  # sequential heads: each row's own drafter, its best draft
             chains = [list((row.drafter.drafts(row.hidden, row.tokens, num_heads)[0] or [()])[0]) for row in active]
-    policy.stepped(width, chains is not None)
+        drafting_ms = 1000 * (time.perf_counter() - start)
+    policy.stepped(width, drafting_ms)
     trees = []
     for r, row in enumerate(active):
         room = generation_config.max_length - row.sequence.shape[1] - 1
@@ -228,7 +230,6 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
         for row in rows:
             row.stats.method = stats.method
     shadows: dict[int, tuple[list[int], int]] = {}  # row -> (shadow draft, tokens decoded when it was drafted)
-    drafting_ms = 0.0  # running cost of drafting every row
     while active:
         start = time.perf_counter()
         if policy is None:  # each row's drafter, every draft verified
@@ -239,10 +240,7 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
                 row.stats.draft_probs.append(probs)
                 trees.append(DraftTree(drafts))
         else:
-            trees = _chain_trees(model, active, policy, shadows, drafting_ms, num_heads, generation_config)
-            if policy.drafted:
-                ms = 1000 * (time.perf_counter() - start)
-                drafting_ms = ms if drafting_ms == 0.0 else 0.7 * drafting_ms + 0.3 * ms
+            trees = _chain_trees(model, active, policy, shadows, num_heads, generation_config)
         stats.draft_seconds += time.perf_counter() - start
         width = max(len(t) for t in trees) + 1
         tokens = torch.zeros(len(active), width, dtype=torch.long, device=device)

@@ -28,7 +28,6 @@ batch's forward costs more than one sequence's of as many tokens: each row atten
 from __future__ import annotations
 
 import bisect
-import weakref
 
 import torch
 
@@ -40,26 +39,17 @@ MARGIN = 0.05  # a wider block must beat the best narrower one by this share (es
 LAGGARDS = 0.8  # rows with at least this share of the most tokens left set the batch's pace
 TIMING_WEIGHT = 0.3  # weight of a step's own timing in the running cost of its token count (0: the table only)
 COST_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # forwards measured for the table (interpolated between)
-_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> {n: ms}
 
 
-@torch.no_grad()
 def forward_costs(base, max_tokens: int) -> dict[int, float]:
     """`{n: ms}` of the base's eager forward of `n` tokens at `COST_LENGTHS` up to the first one covering
-    `max_tokens` (the stored `hf-bpd profile` table where it has them, else measured now, once per process)."""
-    from ..runtime.cost import load_costs, measure_costs
+    `max_tokens` (`hf_bpd.runtime.cost.eager_costs_at`: the stored `hf-bpd profile` table where it has them, else
+    measured now, once per process)."""
+    from ..runtime.cost import eager_costs_at
 
     lengths = [n for n in COST_LENGTHS if n < max_tokens] + [next((n for n in COST_LENGTHS if n >= max_tokens),
                                                                   max_tokens)]
-    known = _COSTS.setdefault(base, {})
-    stored = load_costs(base)
-    if stored is not None:
-        known.update({n: ms for n, ms in zip(stored["lengths"], stored["eager_ms"]) if n not in known})
-    missing = [n for n in lengths if n not in known]
-    if missing:
-        measured = measure_costs(base, missing, compiled=False, past=64, repeats=2)
-        known.update(zip(measured["lengths"], measured["eager_ms"]))
-    return known
+    return eager_costs_at(base, lengths, past=64, repeats=2)
 
 
 class BatchWidth:
@@ -84,7 +74,7 @@ class BatchWidth:
         self.tries = [[0] * depths for _ in range(rows)]
         self.hits = [[0] * depths for _ in range(rows)]
         self.plain_steps = 0  # plain steps since the last drafted or probed one
-        self.drafted = False  # whether the last step drafted (verified or shadow drafts)
+        self.drafting_ms = 0.0  # running cost of drafting every row once
         self.hopeless = False  # whether the last choice found every drafted width far from paying
 
     def cost(self, n: int) -> float:
@@ -142,9 +132,9 @@ class BatchWidth:
         """Tokens row `row` is expected to gain from a block of `width`."""
         return self.gains(row)[width - 1]
 
-    def choose(self, rows: list[int], drafting_ms: float = 0.0, remaining: list[int] | None = None) -> int:
-        """The block width for a step of `rows` (1: a plain step); `drafting_ms` is what drafting the rows costs,
-        `remaining[i]` how many tokens row `rows[i]` may still decode (see `LAGGARDS`)."""
+    def choose(self, rows: list[int], remaining: list[int] | None = None) -> int:
+        """The block width for a step of `rows` (1: a plain step); `remaining[i]` is how many tokens row `rows[i]` may
+        still decode (see `LAGGARDS`). A drafted width is charged the running drafting time (`stepped`)."""
         if self.steps_timed == 0:  # the table is one sequence's: a first plain step measures what a batch costs
             self.hopeless = False
             return 1
@@ -158,7 +148,7 @@ class BatchWidth:
         least = [min(column) for column in zip(*(self.gains(r, pooled) for r in laggards))]
         for w in range(2, self.max_width + 1):
             gain = least[w - 1]
-            value = gain / (self.cost(len(rows) * w) + drafting_ms)
+            value = gain / (self.cost(len(rows) * w) + self.drafting_ms)
             if value > best_value * (1 + MARGIN):
                 best, best_value = w, value
             drafted = max(drafted, value)
@@ -169,10 +159,12 @@ class BatchWidth:
         """Whether this plain step should draft anyway (shadow drafts, see the module docstring)."""
         return self.plain_steps + 1 >= (PROBE_EVERY * 4 if self.hopeless else PROBE_EVERY)
 
-    def stepped(self, width: int, drafted: bool) -> None:
-        """A step of `width` ran; `drafted`: its rows drafted (for verification or as shadow drafts)."""
-        self.drafted = drafted
-        self.plain_steps = 0 if width > 1 or drafted else self.plain_steps + 1
+    def stepped(self, width: int, drafting_ms: float | None) -> None:
+        """A step of `width` ran; `drafting_ms`: what drafting its rows took (for verification or as shadow drafts),
+        None when they did not draft."""
+        if drafting_ms is not None:
+            self.drafting_ms = drafting_ms if self.drafting_ms == 0.0 else 0.7 * self.drafting_ms + 0.3 * drafting_ms
+        self.plain_steps = 0 if width > 1 or drafting_ms is not None else self.plain_steps + 1
 
     def record(self, row: int, tried: int, accepted: int) -> None:
         """Row `row` had `tried` draft tokens checked (verified, or shadow drafts against its next tokens) and the

@@ -16,7 +16,6 @@ else a short measurement on first use (a few forwards per length, once per proce
 from __future__ import annotations
 
 import bisect
-import weakref
 
 import torch
 
@@ -26,7 +25,6 @@ from .config import SCHEDULES  # noqa: F401 - re-exported
 # Prompt lookup's per-token acceptance rates when the checkpoint has no measured ones (`hf-bpd calibrate` measures
 # them); only their order against the heads' rates matters for `best_first_nodes`.
 DEFAULT_LOOKUP_RATES = [0.5, 0.7]
-_EAGER_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> {block length: ms}
 
 
 class HeadCalibration:
@@ -183,22 +181,12 @@ class DraftBudget:
         return best_k
 
 
-@torch.no_grad()
 def eager_costs(base, max_length: int, past: int = 128, repeats: int = 3) -> dict[int, float]:
-    """`{n: ms}` of eager base forwards of n = 1..max_length tokens: the stored `hf-bpd profile` table when it covers
-    them, else measured now (once per process and base)."""
-    from ..runtime.cost import load_costs, measure_costs
+    """`{n: ms}` of eager base forwards of n = 1..max_length tokens (`hf_bpd.runtime.cost.eager_costs_at`: the stored
+    `hf-bpd profile` table, else measured now, once per process and base)."""
+    from ..runtime.cost import eager_costs_at
 
-    known = _EAGER_COSTS.get(base, {})
-    if all(n in known for n in range(1, max_length + 1)):
-        return known
-    lengths = list(range(1, max_length + 1))
-    stored = load_costs(base)
-    if stored is None or not all(n in stored["lengths"] for n in lengths):
-        stored = measure_costs(base, lengths, compiled=False, past=past, repeats=repeats)
-    known = dict(zip(stored["lengths"], stored["eager_ms"]))
-    _EAGER_COSTS[base] = known
-    return known
+    return eager_costs_at(base, range(1, max_length + 1), past=past, repeats=repeats)
 
 
 def best_first_nodes(paths: list[tuple[tuple[int, ...], list[float]]], budget: int) -> list[tuple[int, ...]]:

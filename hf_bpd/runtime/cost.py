@@ -13,6 +13,7 @@ import json
 import platform
 import statistics
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -20,6 +21,8 @@ from transformers.cache_utils import DynamicCache
 
 from ..kv_cache import CACHE_NAME
 from ..hub.base_models import cache_dir, fingerprint
+
+_EAGER_MS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> {n: eager ms}, this process's
 
 
 def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
@@ -140,3 +143,22 @@ def load_costs(base) -> dict | None:
         return json.loads(path.read_text()) if path.exists() else None
     except (OSError, ValueError):
         return None
+
+
+@torch.no_grad()
+def eager_costs_at(base, lengths, past: int = 128, repeats: int = 3) -> dict[int, float]:
+    """`{n: ms}` of the base's eager forward of `n` tokens, for every `n` in `lengths` (and any looked up before): the
+    stored `hf-bpd profile` table where it has them, the rest measured now. One table per process and base, the same
+    dict on every call; the stored table is read and forwards are timed only for lengths not yet in it."""
+    known = _EAGER_MS.setdefault(base, {})
+    if all(n in known for n in lengths):
+        return known
+    stored = load_costs(base)
+    if stored is not None:
+        for n, ms in zip(stored["lengths"], stored["eager_ms"]):
+            known.setdefault(n, ms)
+    missing = [n for n in lengths if n not in known]
+    if missing:
+        measured = measure_costs(base, missing, compiled=False, past=past, repeats=repeats)
+        known.update(zip(measured["lengths"], measured["eager_ms"]))
+    return known

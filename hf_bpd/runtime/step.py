@@ -20,12 +20,16 @@ from ..kv_cache import CACHE_NAME
 WINDOWED_LAYER_TYPES = ("full_attention", "sliding_attention")  # the layer types a compiled step serves
 
 
+def has_sliding_layers(config) -> bool:
+    """Whether the decoder's `layer_types` name sliding-window layers."""
+    return "sliding_attention" in (getattr(config.get_text_config(decoder=True), "layer_types", None) or ())
+
+
 def sliding_window_of(base) -> int | None:
     """The window of `base`'s sliding-window layers when its `layer_types` name any (None otherwise)."""
-    text_config = base.config.get_text_config(decoder=True)
-    if "sliding_attention" not in (getattr(text_config, "layer_types", None) or ()):
+    if not has_sliding_layers(base.config):
         return None
-    return getattr(text_config, "sliding_window", None)
+    return getattr(base.config.get_text_config(decoder=True), "sliding_window", None)
 
 
 class VerificationCache(StaticCache):
@@ -41,8 +45,7 @@ class VerificationCache(StaticCache):
 def verification_cache(config, max_cache_len: int) -> StaticCache:
     """The static cache a compiled step runs on: transformers' own `StaticCache` for full-attention bases, a
     `VerificationCache` for bases with sliding-window layers."""
-    text_config = config.get_text_config(decoder=True)
-    if "sliding_attention" in (getattr(text_config, "layer_types", None) or ()):
+    if has_sliding_layers(config):
         return VerificationCache(config, max_cache_len)
     return StaticCache(config=config, max_cache_len=max_cache_len)
 
