@@ -85,7 +85,7 @@ class DraftTargets:
 
 def _depth_terms(logits: torch.Tensor, batch: dict, targets: DraftTargets, depth: int, span: int,
                  to_vocab_ids) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
-    """Soft cross-entropy per position `(n, span)`, the valid-position mask, and `(agreeing, valid)` for the
+    """Soft cross-entropy per position `(n, span)`, the valid-position mask, and `(agreeing, valid)` (0-d tensors) for the
     predictions `logits (n, span, draft)` of the base's next token at positions `depth .. depth + span - 1`."""
     lengths = batch["lengths"].long()
     valid = (torch.arange(span, device=logits.device)[None] + depth) < lengths[:, None]
@@ -93,7 +93,7 @@ def _depth_terms(logits: torch.Tensor, batch: dict, targets: DraftTargets, depth
     ce = -(weights * torch.log_softmax(logits.float(), -1).gather(-1, ids)).sum(-1)
     guess = to_vocab_ids(logits.argmax(-1))
     agree = (guess == batch["top_ids"][:, depth:depth + span, 0].long()) & valid
-    return ce, valid, (int(agree.sum()), int(valid.sum()))
+    return ce, valid, (agree.sum(), valid.sum())  # tensors: no device sync per step
 
 
 def drafter_loss(drafter: FeatureDrafter, batch: dict, targets: DraftTargets, depths: int = 2,
@@ -155,7 +155,9 @@ class Trainee:
     def done(self) -> bool:
         return self.seen >= self.max_tokens
 
-    def step(self, batch: dict, bf16: bool) -> float:
+    def step(self, batch: dict, bf16: bool, tokens: int | None = None) -> torch.Tensor:
+        """One optimizer step on `batch` (`tokens`: its token count, when the caller knows it); the loss, on the
+        batch's device."""
         progress = self.seen / self.max_tokens
         scale = min(1.0, (progress + 1e-9) / 0.02) * max(0.1, 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
         for group in self.optimizer.param_groups:
@@ -168,15 +170,16 @@ class Trainee:
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.optimizer.step()
         self.steps += 1
-        self.seen += int(batch["lengths"].sum())
+        self.seen += int(batch["lengths"].sum()) if tokens is None else tokens
         self.agree += [[0, 0] for _ in range(len(counts) - len(self.agree))]
         for d, (a, v) in enumerate(counts):
             self.agree[d][0] += a
             self.agree[d][1] += v
-        return float(loss.detach())
+        return loss.detach()
 
-    def log(self, loss: float) -> None:
-        rates = [round(a / max(v, 1), 3) for a, v in self.agree]
+    def log(self, loss) -> None:
+        loss = float(loss)
+        rates = [round(int(a) / max(int(v), 1), 3) for a, v in self.agree]
         logger.info("%s: step %d, %d tokens, loss %.3f, top-1 agreement by depth %s, %.0f tokens/s", self.name,
                     self.steps, self.seen, loss, rates, self.seen / (time.perf_counter() - self.start))
         self.history.append({"step": self.steps, "tokens": self.seen, "loss": round(loss, 4), "agreement": rates})
@@ -197,8 +200,8 @@ def evaluate(module: nn.Module, loss, held_out: list[dict]) -> dict:
         losses.append(float(value))
         agree += [[0, 0] for _ in range(len(counts) - len(agree))]
         for d, (a, v) in enumerate(counts):
-            agree[d][0] += a
-            agree[d][1] += v
+            agree[d][0] += int(a)
+            agree[d][1] += int(v)
     module.train()
     return {"loss": sum(losses) / max(len(losses), 1), "agreement": [round(a / max(v, 1), 4) for a, v in agree]}
 
@@ -209,8 +212,9 @@ def train_side_by_side(trainees: list[Trainee], data: Iterator[dict], bf16: bool
     reached (or for every unfinished trainee when `max_seconds` runs out or the data ends)."""
     start, pending = time.perf_counter(), list(trainees)
     for batch in data:
+        tokens = int(batch["lengths"].sum())
         for trainee in list(pending):
-            loss = trainee.step(batch, bf16)
+            loss = trainee.step(batch, bf16, tokens)
             if trainee.steps % log_every == 0:
                 trainee.log(loss)
             if trainee.done:
@@ -264,6 +268,8 @@ def parse_args(argv=None):
                       "--sources (no features stored; fast on a GPU)")
     p.add_argument("--sources", nargs="+", default=DEFAULT_SOURCES,
                    help="with --online: text sources as for extract_features.py (PATH*N: N sequences per round)")
+    p.add_argument("--tokens", default=None, help="with --online: a token stream written by "
+                   "training/tokenize_sources.py, in place of --sources (no tokenizer work while training)")
     p.add_argument("--exclude", nargs="*", default=HELD_OUT, help="with --online: prompt files never trained on")
     p.add_argument("--max-length", type=int, default=512, help="with --online: tokens per sequence at most")
     p.add_argument("--held-out-sequences", type=int, default=256,
@@ -297,6 +303,10 @@ def parse_args(argv=None):
         args.device = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
     if args.device != "cpu" and not torch.accelerator.is_available():
         p.error(f"--device {args.device}: no accelerator on this machine (use cpu, or auto)")
+    if args.tokens and not args.online:
+        p.error("--tokens goes with --online (it replaces --sources)")
+    if args.tokens and not Path(args.tokens).is_file():
+        p.error(f"--tokens {args.tokens}: no such file (write one with training/tokenize_sources.py)")
     if min(args.max_tokens) <= 0:
         p.error("--max-tokens: budgets must be positive")
     return args
@@ -335,6 +345,7 @@ def main(argv=None) -> int:
     from ..hub.bundled import load_heads_config
     from .data import held_out_prompts
     from .features import online_batches, sequence_stream
+    from .token_stream import read_metadata, read_stream
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -358,8 +369,11 @@ def main(argv=None) -> int:
     base.to(args.device)
     draft_vocab = None if draft_vocab is None else draft_vocab.to(args.device)
     if args.online:
-        held = held_out_prompts([p for p in args.exclude if Path(p).exists()])
-        stream = sequence_stream(args.sources, tokenizer, held, args.max_length)
+        if args.tokens:
+            stream = read_stream(args.tokens, base.config.vocab_size)
+        else:
+            held = held_out_prompts([p for p in args.exclude if Path(p).exists()])
+            stream = sequence_stream(args.sources, tokenizer, held, args.max_length)
         held_out = list(online_batches(base, iter([next(stream) for _ in range(args.held_out_sequences)]),
                                        float("inf"), args.batch_size, pool=args.held_out_sequences))
         data = online_batches(base, stream, max(args.max_tokens), args.batch_size, seed=args.seed)
@@ -375,6 +389,13 @@ def main(argv=None) -> int:
 
         along = [(ids, n, drafter_quality.base_features(base, ids)) for ids, n in
                  drafter_quality.read_references(args.dev_references)]
+    if args.tokens:
+        info = read_metadata(args.tokens)
+        data_description = (f"online, the token stream {args.tokens} ({info.get('tokens')} tokens, "
+                            f"{info.get('sequences')} sequences of at most {info.get('max_length')}) of: "
+                            + " ".join(info.get("sources", [])))
+    else:
+        data_description = "online: " + " ".join(args.sources) if args.online else args.features
     command = "python training/train_drafter.py " + " ".join(argv if argv is not None else sys.argv[1:])
     output = Path(args.output)
     results = {}
@@ -392,7 +413,7 @@ def main(argv=None) -> int:
 
     def finish(trainee: Trainee) -> None:
         record = {**trainee.record(), "held_out": evaluate(trainee.module, trainee.loss, held_out),
-                  "command": command, "data": "online: " + " ".join(args.sources) if args.online else args.features}
+                  "command": command, "data": data_description}
         if reference is not None and not hasattr(trainee, "checkpoint"):
             record["held_out"]["heads_agreement"] = results["checkpoint_heads"]["held_out"]["agreement"]
         if along:
