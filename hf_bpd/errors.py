@@ -30,3 +30,8 @@ class CheckpointError(BPDError):
 
 class WorkLimitError(BPDConfigError):
     """An option would make one decoding step cost more than its documented ceiling (docs/reliability.md "Ceilings")."""
+
+
+class MethodSkipped(Exception):
+    """A benchmark method that does not apply to this model or machine (no heads, no bundled rescorer, an optional
+    package not installed): `hf-bpd bench` reports it as skipped with the message."""

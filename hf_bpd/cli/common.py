@@ -15,9 +15,16 @@ DEFAULT_QUESTIONS = "benchmarks/dev_prompts.jsonl"
 # Built-in rescorer names and bench's default methods, written out so that the parser needs no import of torch
 # (tests keep them equal to `hf_bpd.available_rescorers()` and `hf_bpd.evaluation.bench.DEFAULT_METHODS`).
 RESCORER_NAMES = ("neural", "ngram")
-BENCH_DEFAULT_METHODS = ("ar", "ar-compiled", "pld", "early-exit", "bpd", "bpd+ngram", "bpd+neural", "pbest",
-                         "pbest-ngram", "tree", "tree+ngram", "default")
+BENCH_DEFAULT_METHODS = ("ar", "ar-compiled", "llama.cpp", "pld", "early-exit", "bpd", "bpd+ngram", "bpd+neural",
+                         "pbest", "pbest-ngram", "tree", "tree+ngram", "default")
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+QUANTIZE = ("int8",)
+
+
+def dtype_name(text: str) -> str:
+    """`--dtype`: a torch dtype name or its short form (fp32, bf16, fp16)."""
+    return DTYPE_ALIASES.get(text, text)
 DEVICE_HELP = "where the model runs: cpu, cuda, cuda:N, mps, or auto (transformers' device_map='auto')"
 
 
@@ -69,28 +76,39 @@ def _check_device(device: str) -> None:
         raise ValueError(f"--device {device}: only {getattr(torch, kind).device_count()} {kind} device(s) here")
 
 
-def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
+def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu", quantize: str | None = None):
     """A heads checkpoint directory (with its base) or a plain base model, in `dtype` on `device` (`"auto"`:
-    transformers' `device_map="auto"`)."""
+    transformers' `device_map="auto"`); `quantize="int8"`: the base's linear layers with int8 weights
+    (optimum-quanto through transformers' `QuantoConfig`; the heads keep `dtype`)."""
     import torch
 
     from ..hub.base_models import load_base_model
     from ..modeling import BlockwiseParallelForCausalLM
 
     _check_device(device)
-    options = {"dtype": getattr(torch, dtype)}
+    options = {"dtype": getattr(torch, dtype_name(dtype))}
     if device != "cpu":
         options["device_map"] = device
+    if quantize is not None:
+        import importlib.util
+
+        if quantize not in QUANTIZE:
+            raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE)}, got {quantize[:20]!r}")
+        if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
+            raise ValueError("--quantize int8 needs optimum-quanto: pip install optimum-quanto")
+        from transformers import QuantoConfig
+
+        options["quantization_config"] = QuantoConfig(weights=quantize)
     if _is_heads_checkpoint(name_or_path):
         return BlockwiseParallelForCausalLM.from_pretrained(name_or_path, **options)
     return load_base_model(name_or_path, **options)
 
 
-def load_for_generation(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
+def load_for_generation(name_or_path: str, dtype: str = "float32", device: str = "cpu", quantize: str | None = None):
     """`(model, tokenizer)`: `load_model` and the tokenizer (a checkpoint's is its base's)."""
     from ..hub.base_models import load_tokenizer
 
-    return load_model(name_or_path, dtype, device), load_tokenizer(name_or_path)
+    return load_model(name_or_path, dtype, device, quantize), load_tokenizer(name_or_path)
 
 
 def _is_heads_checkpoint(name_or_path: str) -> bool:
@@ -172,7 +190,7 @@ def _setup(args):
     torch.manual_seed(args.seed)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    return load_for_generation(args.model, args.dtype, args.device)
+    return load_for_generation(args.model, args.dtype, args.device, getattr(args, "quantize", None))
 
 
 def _add_common(p, model_default: str | None = "smollm2-135m-instruct", questions=True, plot=True,
@@ -190,7 +208,11 @@ def _add_common(p, model_default: str | None = "smollm2-135m-instruct", question
                    help="wrap prompts in the tokenizer's chat template (default: when the tokenizer has one)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--seed", type=int, default=0, help="random seed")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype")
+    p.add_argument("--dtype", default="float32", type=dtype_name, choices=DTYPES,
+                   help="model dtype (also fp32, bf16, fp16)")
+    p.add_argument("--quantize", default=None, choices=QUANTIZE,
+                   help="the base's linear layers with int8 weights (optimum-quanto; eager verification only) "
+                        "(default: off)")
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--output", metavar="FILE.json", help="write every figure as JSON (default: none)")
     if plot:

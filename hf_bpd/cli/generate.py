@@ -9,8 +9,8 @@ import sys
 import time
 
 from ..limits import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS
-from .common import (DEFAULT_PROMPT, DEVICE_HELP, DTYPES, RESCORER_NAMES, _check_drafting_flags, _int_list, _locate,
-                     _positive, load_for_generation)
+from .common import (DEFAULT_PROMPT, DEVICE_HELP, DTYPES, QUANTIZE, RESCORER_NAMES, _check_drafting_flags, _int_list,
+                     _locate, _positive, dtype_name, load_for_generation)
 
 
 def _encode(tokenizer, prompt: str, chat: bool):
@@ -91,7 +91,7 @@ def cmd_generate(args) -> int:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model, tokenizer = load_for_generation(args.model, args.dtype, args.device)
+    model, tokenizer = load_for_generation(args.model, args.dtype, args.device, args.quantize)
     has_heads = hasattr(model, "heads")
     options = _draft_options(args) if has_heads else {}
     if not has_heads and (args.rescorer or args.tree or args.num_drafts or args.draft_top_k or args.num_heads_to_use
@@ -207,7 +207,11 @@ def add_parsers(sub, command) -> None:
                                                           "--do-sample)")
     gen.add_argument("--seed", type=int, default=0, help="random seed")
     gen.add_argument("--threads", type=int, default=2, help="torch threads")
-    gen.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype")
+    gen.add_argument("--dtype", default="float32", type=dtype_name, choices=DTYPES,
+                     help="model dtype (also fp32, bf16, fp16)")
+    gen.add_argument("--quantize", default=None, choices=QUANTIZE,
+                     help="the base's linear layers with int8 weights (optimum-quanto; eager verification only) "
+                          "(default: off)")
     gen.add_argument("--device", default="cpu", help=DEVICE_HELP)
     gen.add_argument("--no-heads", action="store_true", help="plain decoding with the base model")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are accepted")

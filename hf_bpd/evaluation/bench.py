@@ -15,9 +15,10 @@ transformers, ...):
 * `summary`: one row per method over every prompt, `by_category`: one per (category, method). Row keys: `method`,
   `category`, `samples`, `new_tokens`, `seconds`, `tokens_per_s` (new tokens / seconds), `speedup_vs_ar` (tokens/s
   over ar's on the same prompts), `vs_best_plain` (tokens/s over the faster of the plain paths that ran, `ar` and
-  `ar-compiled`: what a user compares with), `block_efficiency` (new tokens / serial calls), `serial_calls`,
-  `mean_accepted` (accepted draft tokens per serial call after the first), `draft_share` (drafting time / total
-  time), `exact` (every output token-identical to ar's) and `exact_rate`.
+  `ar-compiled`: what a user compares with), `vs_llama_cpp` (over the `llama.cpp` method's, when it ran),
+  `block_efficiency` (new tokens / serial calls), `serial_calls`, `mean_accepted` (accepted draft tokens per serial
+  call after the first), `draft_share` (drafting time / total time), `exact` (every output token-identical to ar's)
+  and `exact_rate`.
 * `samples`: one record per (prompt, turn, method): `id`, `category`, `turn`, `method`, `prompt_tokens`,
   `new_tokens`, `seconds`, `tokens_per_s`, `speedup_vs_ar` (ar's seconds / this method's), `serial_calls`,
   `block_efficiency`, `mean_accepted`, `accepted_lengths` and `draft_tokens` (per serial call), `draft_seconds`,
@@ -42,6 +43,7 @@ from .decoders import (DEFAULT_METHODS, REFERENCE, BenchOptions, Decoder, Method
                        parse_methods)
 
 PLAIN_METHODS = (REFERENCE, "ar-compiled")  # plain decoding: eager transformers generate(), hf_bpd's compiled path
+OWN_KERNELS = ("llama.cpp",)  # methods that compute the model another way (quantized GGUF weights): may differ from ar
 
 # ------------------------------------------------------------------ prompts
 def load_questions(path: str | Path) -> list[dict]:
@@ -191,6 +193,7 @@ def summarize_samples(samples: list[dict], methods: Sequence[str], category: str
     ref_tps = tokens_per_s(REFERENCE)
     best_plain = max((tps for m in PLAIN_METHODS if m in methods and (tps := tokens_per_s(m)) is not None),
                      default=None)
+    llama = tokens_per_s("llama.cpp") if "llama.cpp" in methods else None
     for method in methods:
         mine = [s for s in samples if s["method"] == method]
         if not mine:
@@ -211,6 +214,7 @@ def summarize_samples(samples: list[dict], methods: Sequence[str], category: str
             "tokens_per_s": tps,
             "speedup_vs_ar": tps / ref_tps if ref_tps else None,
             "vs_best_plain": tps / best_plain if best_plain else None,
+            "vs_llama_cpp": tps / llama if llama else None,
             "block_efficiency": sum(s["new_tokens"] for s in with_stats) / calls if calls else None,
             "serial_calls": calls if with_stats else None,
             "mean_accepted": sum(steps) / len(steps) if steps else (0.0 if with_stats else None),
@@ -330,14 +334,20 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 
 def markdown_report(report: dict) -> str:
-    header = ("| method | tok/s | speed-up vs ar | vs best plain | block efficiency | mean accepted | draft time "
-              "| exact |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | :---: |")
+    llama = any(r.get("vs_llama_cpp") is not None for r in report["summary"])  # its column only when it ran
+    header = ("| method | tok/s | speed-up vs ar | vs best plain | " + ("vs llama.cpp | " if llama else "")
+              + "block efficiency | mean accepted | draft time | exact |\n| --- | ---: | ---: | ---: | "
+              + ("---: | " if llama else "") + "---: | ---: | ---: | :---: |")
 
     def row(r, label):
         share = None if r["draft_share"] is None else 100 * r["draft_share"]
+        exact = _fmt(r["exact"])
+        if r["method"] in OWN_KERNELS and not r["exact"]:
+            exact = "no (own kernels)"  # another computation of the model: equality is not promised
         return (f"| {label} | {_fmt(r['tokens_per_s'], '.1f')} | {_fmt(r['speedup_vs_ar'])}x | "
-                f"{_fmt(r.get('vs_best_plain'))}x | {_fmt(r['block_efficiency'])} | {_fmt(r['mean_accepted'])} | "
-                f"{_fmt(share, '.1f')}{'' if share is None else '%'} | {_fmt(r['exact'])} |")
+                f"{_fmt(r.get('vs_best_plain'))}x | " + (f"{_fmt(r.get('vs_llama_cpp'))}x | " if llama else "") +
+                f"{_fmt(r['block_efficiency'])} | {_fmt(r['mean_accepted'])} | "
+                f"{_fmt(share, '.1f')}{'' if share is None else '%'} | {exact} |")
 
     lines = [header] + [row(r, r["method"]) for r in report["summary"]]
     categories = sorted({r["category"] for r in report["by_category"]})

@@ -6,6 +6,7 @@ registry of the methods below; `hf_bpd.evaluation.bench.run_bench(..., decoders=
 | method | what runs |
 | --- | --- |
 | `ar` | the base's plain greedy `generate()`: the reference every other method must reproduce |
+| `llama.cpp` | llama.cpp's plain greedy decoding of the base's GGUF (`llama-cpp-python`, optional; `hf_bpd.evaluation.llama_cpp`) |
 | `pld` | transformers' prompt lookup decoding (`prompt_lookup_num_tokens`) on the base |
 | `early-exit` | transformers' self-speculation (`assistant_early_exit`) on the base |
 | `bpd` | blockwise parallel decoding, argmax (chain) drafts |
@@ -37,17 +38,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import BPDConfigError
+from ..errors import BPDConfigError, MethodSkipped  # noqa: F401 - MethodSkipped is part of this module's interface
 from ..generation.stats import GenerationStats
 from ..rescorers.registry import available_rescorers
+from .llama_cpp import decode_llama_cpp
 
 Decoder = Callable[..., tuple[torch.Tensor, GenerationStats | None]]
 
 REFERENCE = "ar"
-
-
-class MethodSkipped(Exception):
-    """A method that does not apply to this model (no heads, no bundled rescorer, unsupported architecture)."""
 
 
 @dataclass
@@ -61,6 +59,7 @@ class BenchOptions:
     early_exit_layer: int | None = None  # default: half the base's layers
     num_heads_to_use: int | None = None  # chain methods draft with the first heads only (None: the checkpoint's)
     draft_nodes: int = 15  # the -nodes methods: draft tokens per verification, filled best-first
+    gguf: str | None = None  # the llama.cpp method's GGUF file (None: the packaged base's)
 
 
 
@@ -192,6 +191,7 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
         "ar": decode_ar,
         "pld": p(decode_assisted, method="pld", prompt_lookup_num_tokens=o.pld_tokens),
         "early-exit": p(decode_early_exit, layer=o.early_exit_layer),
+        "llama.cpp": p(decode_llama_cpp, gguf=o.gguf),
     }
     # Chain BPD in every combination: rescorer (+NAME), prompt-lookup path (+lookup), compiled verification
     # (-compiled: `generate(compile=True)`, a compiled step on a reused static cache) and cost-aware drafting (-cost).
@@ -242,8 +242,8 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
 
 # What `hf-bpd bench` runs without --methods: the paper's methods, transformers' own and the checkpoint's default
 # (the other combinations are named explicitly; compiled ones compile for minutes first).
-DEFAULT_METHODS = ("ar", "ar-compiled", "pld", "early-exit", "bpd", "bpd+ngram", "bpd+neural", "pbest", "pbest-ngram",
-                   "tree", "tree+ngram", "default")
+DEFAULT_METHODS = ("ar", "ar-compiled", "llama.cpp", "pld", "early-exit", "bpd", "bpd+ngram", "bpd+neural", "pbest",
+                   "pbest-ngram", "tree", "tree+ngram", "default")
 
 
 def methods() -> list[str]:

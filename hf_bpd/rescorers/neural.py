@@ -168,13 +168,30 @@ def truncated_base(base: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     text.num_hidden_layers = num_layers
     if getattr(text, "layer_types", None):
         text.layer_types = text.layer_types[:num_layers]
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config  # the rescorer is a plain model: a quantized base's weights are dequantized
     small = AutoModelForCausalLM.from_config(config, dtype=base.dtype)
-    state = base.state_dict()
-    missing = [k for k in small.state_dict() if k not in state]
+    state, missing = {}, []
+    for name in small.state_dict():
+        tensor = _base_tensor(base, name)
+        if tensor is None:
+            missing.append(name)
+        else:  # a weight-quantized base (optimum-quanto, ...) holds quantized tensors: their dequantized values
+            state[name] = (tensor.dequantize() if hasattr(tensor, "dequantize") else tensor).detach()
     if missing:
         raise BPDConfigError(f"cannot derive a rescorer from {type(base).__name__}: no weights for {missing[:2]}")
-    small.load_state_dict({k: state[k] for k in small.state_dict()})
+    small.load_state_dict(state)
     return small.eval()
+
+
+def _base_tensor(base: PreTrainedModel, name: str) -> torch.Tensor | None:
+    """The base's parameter or buffer `name` (None when it has none by that name)."""
+    for get in (base.get_parameter, base.get_buffer):
+        try:
+            return get(name)
+        except AttributeError:
+            continue
+    return None
 
 
 def _first_line(err: Exception) -> str:

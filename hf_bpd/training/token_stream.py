@@ -66,9 +66,10 @@ def read_metadata(path: str | Path) -> dict:
 
 
 def read_stream(path: str | Path, vocab_size: int | None = None) -> Iterator[list[int]]:
-    """The stored sequences in order, as lists of ids (`vocab_size`: the base's, checked against the file's)."""
+    """The stored sequences in order, as lists of ids (`vocab_size`: the base's; a stream tokenised for a larger
+    vocabulary is refused)."""
     info = read_metadata(path)
-    if vocab_size is not None and info.get("vocab_size") not in (None, vocab_size):
+    if vocab_size is not None and info.get("vocab_size", 0) > vocab_size:  # its ids may lie outside the base's
         raise ValueError(f"{path} was tokenised for a vocabulary of {info['vocab_size']} ids, the base has "
                          f"{vocab_size}: tokenise the sources with this base's tokenizer")
     with safe_open(str(path), "pt") as f:

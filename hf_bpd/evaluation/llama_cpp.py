@@ -1,0 +1,73 @@
+"""The `llama.cpp` method of `hf-bpd bench`: plain greedy decoding of the base's GGUF file by llama.cpp, the CPU
+user's usual choice for a small model, timed in the same run as the other methods.
+
+It needs `llama-cpp-python` (an optional extra, `pip install "hf_bpd[llama]"`, which builds llama.cpp for this CPU
+in about 8 minutes); without it the method is skipped with a note. The GGUF is the packaged base's own file (the
+`smollm2-135m-instruct` and `gemma-3-270m` aliases) or `--gguf PATH`. llama.cpp is fed the very token ids the
+other methods get (the prompt through the tokenizer's chat template), decodes with its greedy sampler (temperature
+0, no repetition penalty) on as many threads as torch uses, and stops at the base's end-of-sequence tokens or the
+token budget; the prompt pass is timed, as for every method. Its weights are the GGUF's quantized ones, read by
+llama.cpp's own kernels, so its output may differ from the dequantized base's (the report's `exact` says).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import MethodSkipped
+from ..generation.stats import GenerationStats
+
+INSTALL = "pip install 'hf_bpd[llama]' (builds llama.cpp, ~8 minutes)"
+_LOADED: dict[tuple, object] = {}  # (path, threads, n_ctx) -> llama_cpp.Llama: loaded once per process
+
+
+def gguf_of(model, gguf: str | Path | None = None) -> Path:
+    """The GGUF file llama.cpp decodes: `gguf` when given, else the packaged base alias's file."""
+    from ..hub.base_models import PACKAGED_MODELS
+
+    if gguf is not None:
+        path = Path(gguf)
+        if not path.is_file() or path.suffix != ".gguf":
+            raise MethodSkipped(f"--gguf {gguf}: no such .gguf file")
+        return path
+    names = [getattr(model.config, "base_model_name_or_path", None), getattr(model, "base_lm", model).config.name_or_path]
+    alias = next((n for n in names if n in PACKAGED_MODELS), None)
+    if alias is None:
+        raise MethodSkipped(f"the base ({names[0] or names[1]}) is not a packaged GGUF base: pass --gguf PATH for "
+                            "the llama.cpp column")
+    return PACKAGED_MODELS[alias].gguf()
+
+
+def _llama(path: Path, threads: int, n_ctx: int):
+    try:
+        import llama_cpp
+    except ImportError:
+        raise MethodSkipped(f"llama-cpp-python is not installed: {INSTALL}") from None
+    key = (str(path), threads, n_ctx)
+    if key not in _LOADED:
+        _LOADED.clear()  # one model at a time
+        _LOADED[key] = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads,
+                                       n_threads_batch=threads, verbose=False)
+    return _LOADED[key]
+
+
+def decode_llama_cpp(model, inputs: dict, max_new_tokens: int, gguf: str | Path | None = None):
+    """Greedy decoding of `inputs["input_ids"]` (one prompt) by llama.cpp; `(sequences, stats)` as every decoder."""
+    if model.device.type != "cpu":
+        raise MethodSkipped("the llama.cpp column runs on the CPU: bench with --device cpu")
+    ids = inputs["input_ids"][0].tolist()
+    n_ctx = 2048
+    while n_ctx < len(ids) + max_new_tokens + 8:
+        n_ctx *= 2
+    llm = _llama(gguf_of(model, gguf), torch.get_num_threads(), n_ctx)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]) or {llm.token_eos()}
+    new: list[int] = []
+    for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        new.append(int(token))
+        if token in eos or len(new) >= max_new_tokens:
+            break
+    sequences = torch.tensor([ids + new], dtype=torch.long)
+    return sequences, GenerationStats(method="llama.cpp", new_tokens=len(new), accepted_lengths=[0] * len(new))
