@@ -373,7 +373,7 @@ def test_llama_cpp_method_is_skipped_with_a_note(loaded, tmp_path, monkeypatch):
 
 def test_llama_cpp_decodes_the_packaged_gguf(smollm2):
     """With llama-cpp-python installed: llama.cpp decodes the SmolLM2 GGUF greedily from the same prompt ids, within
-    the token budget, mostly as the dequantized base does (its own Q4_1 kernels: equality is not promised)."""
+    the token budget (its own Q4_1 kernels: its tokens need not be the dequantized base's)."""
     pytest.importorskip("llama_cpp")
     from hf_bpd.evaluation.llama_cpp import decode_llama_cpp
 
@@ -383,6 +383,10 @@ def test_llama_cpp_decodes_the_packaged_gguf(smollm2):
     prompt = inputs["input_ids"].shape[1]
     assert sequences[0, :prompt].tolist() == inputs["input_ids"][0].tolist()
     assert 0 < stats.new_tokens == sequences.shape[1] - prompt <= 24 and stats.block_efficiency == 1.0
-    want = base.generate(**inputs, max_new_tokens=24, do_sample=False)[0, prompt:].tolist()
-    got = sequences[0, prompt:].tolist()
-    assert got[:4] == want[:4], (tokenizer.decode(got), tokenizer.decode(want))
+    # the prompt went in as given and the greedy tokens are llama.cpp's own: its completion API from the same ids
+    from hf_bpd.evaluation.llama_cpp import _LOADED
+
+    llm = next(iter(_LOADED.values()))
+    own = llm.create_completion(inputs["input_ids"][0].tolist(), max_tokens=24, temperature=0.0, top_k=1,
+                                repeat_penalty=1.0)["choices"][0]["text"]
+    assert tokenizer.decode(sequences[0, prompt:], skip_special_tokens=True).strip() == own.strip()

@@ -284,3 +284,72 @@ def test_draft_nodes_options_fail_in_one_line(one_thread):
         assert model.last_generation_stats.method.endswith("/3 nodes")
     finally:
         model.generation_config.draft_nodes, model.generation_config.tree = None, None
+
+
+# ------------------------------------------------------------------ draft_schedule="switch"
+def test_the_switch_falls_back_to_plain_steps_and_probes_its_way_back():
+    from hf_bpd.generation.step_switch import PROBE_EVERY, StepSwitch
+
+    switch = StepSwitch(plain_ms=10.0)
+    assert switch.drafting and not switch.probe_due()
+    decoded = list(range(100))
+    for _ in range(3):  # blocks cost 18 ms and yield one token each: drafting loses
+        switch.record(True, 1, 0.018, decoded)
+    assert not switch.drafting and switch.switches == 1
+    for _ in range(PROBE_EVERY):
+        assert not switch.probe_due()
+        switch.record(False, 1, 0.010, decoded)
+    assert switch.probe_due()
+    switch.start_probe([(7, 8, 9, 10)], len(decoded))
+    assert not switch.probe_due()  # one shadow draft at a time
+    for token in (7, 8, 9, 10):  # the plain steps decode what the shadow draft said: it would have paid
+        decoded = decoded + [token]
+        switch.record(False, 1, 0.010, decoded)
+    assert switch.probe is not None  # scored once the token after the draft is decoded too
+    decoded = decoded + [11]
+    gain = switch.gain
+    switch.record(False, 1, 0.010, decoded)
+    assert switch.probe is None and switch.gain == pytest.approx(0.75 * gain + 0.25 * 5)
+    for _ in range(3):  # more such probes: drafting resumes
+        for _ in range(PROBE_EVERY):
+            switch.record(False, 1, 0.010, decoded)
+        if switch.drafting:
+            break
+        switch.start_probe([(1, 2, 3)], len(decoded))
+        decoded = decoded + [1, 2, 3, 4]
+        for _ in range(4):
+            switch.record(False, 1, 0.010, decoded)
+    assert switch.drafting and switch.switches == 2
+
+
+def test_the_switch_keeps_drafting_where_drafts_pay():
+    from hf_bpd.generation.step_switch import StepSwitch
+
+    switch = StepSwitch(plain_ms=10.0)
+    for _ in range(20):
+        switch.record(True, 3, 0.018, list(range(10)))
+    assert switch.drafting and switch.switches == 0
+
+
+@pytest.mark.parametrize("options", [{}, {"rescorer": "oracle"}, {"tree": (2, 2, 1)}, {"prompt_lookup": True}])
+def test_switch_schedule_decodes_exactly(one_thread, options):
+    """Random heads draft badly: the call falls back to plain steps (and still drafts now and then); the oracle's
+    drafts pay: every step drafts. The tokens are the base's either way."""
+    model = random_bpd("llama", 3)
+    plain_steps = []
+    for seed in range(3):
+        ids = prompt_ids(seed, 4 + 3 * seed)
+        kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None)
+        expected = model.base_lm.generate(ids, **kwargs)
+        call = dict(options)
+        if call.get("rescorer") == "oracle":
+            call["rescorer"] = OracleRescorer(expected[0].tolist())
+        got = model.generate(ids, draft_schedule="switch", **call, **kwargs)
+        assert torch.equal(got, expected), (options, seed)
+        stats = model.last_generation_stats
+        assert stats.plain_steps == sum(1 for n in stats.draft_tokens[1:] if n == 0)
+        plain_steps.append(stats.plain_steps)
+    if options.get("rescorer") == "oracle":
+        assert plain_steps == [0, 0, 0]
+    else:
+        assert min(plain_steps) > 0

@@ -269,3 +269,31 @@ def test_two_models_of_one_shape_each_run_their_own_compiled_step(one_thread):
         assert torch.equal(got, m.base_lm.generate(ids, **kwargs))
         outputs.append(got)
     assert not torch.equal(outputs[0], outputs[1])  # the two models do decode differently
+
+
+def test_compiled_switch_schedule_is_exact(model):
+    """`draft_schedule="switch"` runs plain steps through the compiled one-token step and drafted ones through the
+    block step, both warmed and timed up front."""
+    for seed in range(2):
+        ids = prompt(40 + seed, 6)
+        kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
+        assert torch.equal(model.generate(ids, compile=True, draft_schedule="switch", **kwargs),
+                           model.base_lm.generate(ids, **kwargs))
+    runner = next(iter(verify_runtime._RUNNERS[model.base_lm].values()))
+    assert 1 in runner.bucket_ms and runner.bucket_ms[1] > 0
+
+
+def test_half_precision_calls_recompute_their_prompt(one_thread):
+    """bf16 rounds a prompt token's keys and values differently in another call's prompt pass, so a compiled call
+    never reuses the last call's context there: the same call gives the same tokens whatever ran before it."""
+    import copy
+
+    model = copy.deepcopy(random_bpd("llama", 6)).to(torch.bfloat16)
+    ids = prompt(70, 9)
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, compile=True)
+    first = model.generate(ids, **kwargs)
+    model.generate(torch.cat([ids, prompt(71, 3)], 1), **kwargs)  # a longer prompt sharing the first's tokens
+    assert model.last_generation_stats.reused_prompt_tokens == 0
+    assert torch.equal(model.generate(ids, **kwargs), first)
+    assert model.last_generation_stats.reused_prompt_tokens == 0
+    verify_runtime.discard_runners(model.base_lm)

@@ -59,7 +59,8 @@ def cmd_bench(args) -> int:
     report = {
         "settings": {"model": args.model, "questions": args.questions, "limit": args.limit,
                      "max_new_tokens": args.max_new_tokens, "requested_methods": methods, "chat": chat,
-                     "multi_turn": args.multi_turn, "warmup": args.warmup, "seed": args.seed, "dtype": args.dtype, "quantize": args.quantize,
+                     "multi_turn": args.multi_turn, "warmup": args.warmup, "seed": args.seed, "dtype": args.dtype,
+                     "quantize": args.quantize,
                      "tree": list(options.tree_widths), "num_drafts": options.num_drafts,
                      "draft_nodes": options.draft_nodes,
                      "draft_top_k": options.draft_top_k, "pld_tokens": options.pld_tokens,
@@ -183,8 +184,10 @@ def add_parsers(sub, command) -> None:
         "transformers) are listed as skipped. --output writes every per-prompt figure as JSON.")
     _add_common(bench)
     bench.add_argument("--methods", default=None,
-                       help="comma-separated methods: ar, llama.cpp, pld, early-exit, default, pbest, pbest-ngram, tree, "
-                            "tree+ngram, pbest-ngram+lookup[-nodes][-compiled], ar-compiled, and bpd[+RESCORER][+lookup][-compiled][-cost] (ar always runs) "
+                       help="comma-separated methods: ar, llama.cpp, pld, early-exit, default, default-fixed, "
+                            "default-switch, pbest, pbest-ngram, tree, tree+ngram, "
+                            "pbest-ngram+lookup[-nodes][-compiled], ar-compiled, and "
+                            "bpd[+RESCORER][+lookup][-compiled][-cost|-switch] (ar always runs) "
                             f"(default: {','.join(BENCH_DEFAULT_METHODS)})")
     bench.add_argument("--multi-turn", action="store_true",
                        help="run every MT-bench turn as a conversation (earlier answers: ar's), not only turn 1")

@@ -46,7 +46,8 @@ def _method_label(model, options: dict) -> str:
     rescorer = options.get("rescorer", config.rescorer)
     name = f" + {rescorer}" if isinstance(rescorer, str) and rescorer != "none" else ""  # else head scores
     name += " + lookup" if options.get("prompt_lookup", config.prompt_lookup) else ""
-    compiled += ", cost schedule" if options.get("draft_schedule", config.draft_schedule) == "cost" else ""
+    schedule = options.get("draft_schedule", config.draft_schedule)
+    compiled += f", {schedule} schedule" if schedule in ("cost", "switch") else ""
     if options.get("tree", config.tree) is not None:
         return f"tree{name}{compiled}"
     drafts = options.get("num_drafts") or config.num_drafts
@@ -230,9 +231,10 @@ def add_parsers(sub, command) -> None:
     gen.add_argument("--prompt-lookup", action=argparse.BooleanOptionalAction, default=None,
                      help="also draft prompt lookup's copy of the context and verify it with the heads' drafts "
                           "(default: the checkpoint's)")
-    gen.add_argument("--draft-schedule", choices=["fixed", "cost"], default=None,
+    gen.add_argument("--draft-schedule", choices=["fixed", "cost", "switch"], default=None,
                      help="fixed: verify every drafted token; cost: only those expected to pay for their verification "
-                          "(calibrated head confidences x this machine's forward costs) (default: the checkpoint's)")
+                          "(calibrated head confidences x this machine's forward costs); switch: plain one-token "
+                          "steps while drafting does not pay in the call (default: the checkpoint's)")
     gen.add_argument("--draft-nodes", type=int, default=None, metavar="N",
                      help=f"verify N draft tokens per step, 1-{MAX_DRAFT_NODES}: the p-best paths and prompt lookup's "
                           "copy compete for them, likeliest first (default: the checkpoint's)")

@@ -18,8 +18,10 @@ registry of the methods below; `hf_bpd.evaluation.bench.run_bench(..., decoders=
 | `tree+ngram` | n-gram-rescored p-best drafts as a tree, with as many drafts as the `--tree` has leaves |
 | `ar-compiled`, `bpd-compiled`, `bpd+NAME-compiled` | plain decoding / BPD with `generate(compile=True)`: compiled verification steps on a reused static cache (compiled in the warm-up) |
 | `...-cost` (e.g. `bpd+ngram-compiled-cost`) | the same with `draft_schedule="cost"`: each step verifies only the drafted tokens expected to pay for their cost |
+| `...-switch` | the same with `draft_schedule="switch"`: plain one-token steps while drafting does not pay in the call |
 | `bpd+lookup`, `bpd+NAME+lookup` (and `-compiled`, `-cost`) | the chain plus prompt lookup's path, verified together (`prompt_lookup=True`) |
 | `default` | `model.generate()` with nothing but the checkpoint's own `generation_config.json` (what a user gets) |
+| `default-fixed`, `default-switch` | the checkpoint's defaults with `draft_schedule="fixed"` (every step drafts) or `"switch"` |
 | `default-fp32-heads` | the same with `heads_int8=False`: the heads step reads the heads' own fp32 weights |
 
 Serial calls: `GenerationStats` counts them for BPD; for `ar` they are the new tokens; for `pld`/`early-exit` they are
@@ -199,16 +201,19 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
     for compiled in (False, True):
         if compiled:
             decoders["ar-compiled"] = p(decode_bpd, use_heads=False, compile=True)
-        for schedule in ("fixed", "cost"):
+        for schedule in ("fixed", "cost", "switch"):
             for lookup in (False, True):
                 for name in (None, *available_rescorers()):
                     method = "bpd" + (f"+{name}" if name else "") + ("+lookup" if lookup else "") + \
-                        ("-compiled" if compiled else "") + ("-cost" if schedule == "cost" else "")
+                        ("-compiled" if compiled else "") + ("" if schedule == "fixed" else f"-{schedule}")
                     decoders[method] = p(decode_bpd, rescorer=name, compile=compiled, draft_schedule=schedule,
                                          prompt_lookup=lookup, **chain, **({} if name is None else k))
     # The checkpoint's own generate() defaults (its generation_config.json), whatever they are; and the same with
     # the heads' own fp32 weights in the heads step (the default drafts with int8 weights where it can).
     decoders["default"] = decode_bpd
+    decoders["default-fixed"] = p(decode_bpd, draft_schedule="fixed")  # the defaults, every step drafting
+    decoders["default-switch"] = p(decode_bpd, draft_schedule="switch")  # the defaults, plain steps where drafting
+    # does not pay (`hf_bpd.generation.step_switch`)
     # the feature-level drafter's chain, alone and with prompt lookup's copy; eager, or compiled as the checkpoint's
     decoders["feature"] = p(decode_feature, prompt_lookup=False, compile=False)
     decoders["feature+lookup"] = p(decode_feature, prompt_lookup=True, compile=False)

@@ -12,6 +12,7 @@ llama.cpp's own kernels, so its output may differ from the dequantized base's (t
 
 from __future__ import annotations
 
+import atexit
 from pathlib import Path
 
 import torch
@@ -47,10 +48,18 @@ def _llama(path: Path, threads: int, n_ctx: int):
         raise MethodSkipped(f"llama-cpp-python is not installed: {INSTALL}") from None
     key = (str(path), threads, n_ctx)
     if key not in _LOADED:
-        _LOADED.clear()  # one model at a time
+        _close_all()  # one model at a time
+        if not _LOADED:
+            atexit.register(_close_all)  # closed before the interpreter tears llama_cpp down
         _LOADED[key] = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads,
                                        n_threads_batch=threads, verbose=False)
     return _LOADED[key]
+
+
+def _close_all() -> None:
+    for llm in _LOADED.values():
+        llm.close()
+    _LOADED.clear()
 
 
 def decode_llama_cpp(model, inputs: dict, max_new_tokens: int, gguf: str | Path | None = None):

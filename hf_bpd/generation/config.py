@@ -13,7 +13,7 @@
 | `heads_int8` | `None` | the heads step with int8 weights (one fp32 scale per row) in a C++ kernel on CPU, a quarter of the bytes each drafted step reads (`hf_bpd.runtime.int8_heads`); only the drafts can change, the output stays the base's. None: on with `compile=True` on a CPU, else off; True: also eagerly; False: never |
 | `drafter` | `"heads"` | what drafts: `"heads"` (the drafting heads, with the options above) or `"feature"` (the checkpoint's feature-level drafter, `hf_bpd.generation.feature_drafting`: a chain of `draft_depth` tokens, plus prompt lookup's copy; one prompt at a time; the heads' options do not apply) |
 | `draft_depth` | `None` | the feature-level drafter's chain length (None: 4) |
-| `draft_schedule` | `"fixed"` | `"fixed"`: verify every drafted token; `"cost"`: per step, verify only the drafted tokens expected to pay for their verification cost (calibrated head confidences x the machine's measured forward costs; `hf_bpd.generation.budget`) |
+| `draft_schedule` | `"fixed"` | `"fixed"`: verify every drafted token; `"cost"`: per step, verify only the drafted tokens expected to pay for their verification cost (calibrated head confidences x the machine's measured forward costs; `hf_bpd.generation.budget`); `"switch"`: verify every drafted token, but decode plain one-token steps while this call's drafted steps yield fewer tokens per ms than plain ones would, probing now and then with unverified drafts (`hf_bpd.generation.step_switch`) |
 | `compile` | `False` | verify with a compiled step on a reused static cache (`hf_bpd.generation.verify`); with `use_heads=False` too, for compiled plain decoding. On a CPU the step is an artifact built once per machine (`hf-bpd compile`); a call never waits for it: while it is missing it is built in the background and the call verifies eagerly. `"wait"`: build it in the call if need be (benchmarks). Elsewhere (GPUs, `HF_BPD_ARTIFACTS=0`) `torch.compile` compiles in the first calls |
 | `tie_margin` | `None` | greedy: a decoded token whose two best scores are closer than this × max(1, |best|) is decided by the base's own eager `generate()` (`hf_bpd.generation.near_ties`); None: 5e-5 for fp32 bases, 0 (never) for half precision |
 
@@ -41,7 +41,7 @@ DRAFTING_OPTIONS = tuple(DRAFTING_DEFAULTS)
 DECODING_DEFAULTS = {"use_heads": True, "compile": False, "tie_margin": None}  # how the loop runs, drafting or not
 DECODING_OPTIONS = tuple(DECODING_DEFAULTS)
 
-SCHEDULES = ("fixed", "cost")  # draft_schedule values (`hf_bpd.generation.budget`)
+SCHEDULES = ("fixed", "cost", "switch")  # draft_schedule values (`hf_bpd.generation.budget`, `step_switch`)
 
 
 class BlockwiseGenerationConfig(GenerationConfig):
@@ -188,8 +188,8 @@ def validate_drafting_values(values: dict, where: str = "") -> dict:
         out["num_heads_to_use"] = _int_value("num_heads_to_use", out["num_heads_to_use"], 1, None, where)
     if "draft_schedule" in out and out["draft_schedule"] not in SCHEDULES:
         raise BPDConfigError(f"{where}draft_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got "
-                             f"{out['draft_schedule']!r}: pass draft_schedule='fixed' (every drafted token) or "
-                             "'cost'")
+                             f"{out['draft_schedule']!r}: pass draft_schedule='fixed' (every drafted token), "
+                             "'cost' or 'switch'")
     rescorer = out.get("rescorer")
     if rescorer is not None and not isinstance(rescorer, str):
         from ..rescorers.base import Rescorer

@@ -40,6 +40,7 @@ from .drafting import BlockDrafter, NoDrafter
 from .feature_drafting import FeatureChainDrafter
 from .near_ties import EagerReferee, default_tie_margin
 from .stats import BlockwiseGenerateOutput, GenerationStats
+from .step_switch import StepSwitch
 from .stopping import DecodedSequence
 from .tree import DraftTree, GreedyRows, choose_token, parse_tree, walk, walk_greedy
 from .verify import EagerVerifier, compiled_verifier
@@ -262,7 +263,8 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
     verifier, runner = None, None
     if plan.compile:
         try:
-            # One compiled shape per drafting plan (its largest block); "cost" also compiles the one-token step.
+            # One compiled shape per drafting plan (its largest block); "cost" and "switch" also compile the
+            # one-token step.
             # The heads' lattice comes from a compiled heads step too.
             drafter = plan.drafter
             heads = model.heads if isinstance(drafter, BlockDrafter) else None
@@ -277,7 +279,7 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
                                                  model_kwargs.get("attention_mask"), wait) or (None, None)
             built = time.perf_counter() - start if wait else 0.0  # an artifact built in this call
             if runner is not None:
-                buckets = sorted({1, largest} if plan.schedule == "cost" else {largest})
+                buckets = sorted({1, largest} if plan.schedule in ("cost", "switch") else {largest})
                 top_k = head_top_k(drafter.top_k, model.config.draft_size) if heads is not None else 0
                 before = sum(runner.compiled_buckets.values()) + sum(runner.compiled_heads.values())
                 blocking = wait or runner.kind == "compiled"  # an artifact runner compiles nothing unless asked
@@ -305,8 +307,13 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
         costs = {b: runner.bucket_ms[b] for b in verifier.buckets} if runner is not None else \
             eager_costs(model.base_lm, plan.drafter.max_block_length())
         budget = DraftBudget(costs, plan.drafter.calibration)
+    switch = None
+    if plan.schedule == "switch" and plan.drafter.max_block_length() > 1:
+        plain_ms = runner.bucket_ms.get(1) if runner is not None else None
+        switch = StepSwitch(plain_ms if plain_ms else eager_costs(model.base_lm, 1)[1])
     with runner.lock if runner is not None else contextlib.nullcontext():
-        return _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan, budget)
+        return _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan, budget,
+                       switch)
 
 
 def _within(drafts: list[tuple[int, ...]], depth: int) -> list[tuple[int, ...]]:
@@ -314,7 +321,8 @@ def _within(drafts: list[tuple[int, ...]], depth: int) -> list[tuple[int, ...]]:
     return list(dict.fromkeys(d[:depth] for d in drafts if depth > 0))
 
 
-def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan, budget=None):
+def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan, budget=None,
+            switch=None):
     stats, drafter, streamer = plan.stats, plan.drafter, plan.streamer
     if isinstance(streamer, (list, tuple)):  # one streamer per row (batches); a batch of one
         if len(streamer) != 1:
@@ -351,7 +359,12 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
         start = time.perf_counter()
         sequence = decoded.sequence
         room = generation_config.max_length - sequence.shape[1] - 1
-        drafts, probs = drafter.drafts(hidden, decoded.tokens, room)
+        if switch is None or switch.drafting:
+            drafts, probs = drafter.drafts(hidden, decoded.tokens, room)
+        else:  # a plain step (`step_switch`), now and then drafting without verifying
+            drafts, probs = [], []
+            if switch.probe_due():
+                switch.start_probe(drafter.drafts(hidden, decoded.tokens, room)[0], len(decoded.tokens))
         stats.draft_probs.append(probs)
         if budget is not None and drafts:
             steps = len(stats.accepted_lengths)
@@ -389,10 +402,14 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
         stats.accepted_lengths.append(len(path))
         stats.draft_tokens.append(len(tree))
         decoded.accept(tokens, step_logits, step_scores)
+        if switch is not None:
+            switch.record(len(tree) > 0, len(path) + 1, time.perf_counter() - start, decoded.tokens)
 
     sequence = decoded.sequence
     cache = verifier.close(sequence.shape[1], sequence)
     stats.reused_prompt_tokens = verifier.reused
+    if switch is not None:
+        stats.plain_steps = sum(1 for n in stats.draft_tokens[1:] if n == 0)
     if referee is not None:
         stats.tie_checks, stats.tie_changes, stats.tie_seconds = referee.checks, referee.changed, referee.seconds
     if generation_config.return_dict_in_generate:

@@ -32,6 +32,8 @@ class GenerationStats:
     # blocks of up to 16 tokens: a longer block runs eagerly on the same cache unless `compile="wait"`).
     verifier: str = "eager"
     verifier_steps: dict[str, int] = field(default_factory=dict)
+    # `draft_schedule="switch"`: the steps that decoded one plain token because drafting was not paying
+    plain_steps: int = 0
     # Compiled: prompt tokens whose keys/values the static cache still held from the previous call (not recomputed)
     reused_prompt_tokens: int = 0
     # Greedy near-ties (`hf_bpd.generation.near_ties`): positions the base's eager generate() decided, how many of
@@ -80,6 +82,7 @@ class GenerationStats:
             "verifier": self.verifier,
             "verifier_steps": dict(self.verifier_steps),
             "reused_prompt_tokens": self.reused_prompt_tokens,
+            "plain_steps": self.plain_steps,
             "tie_checks": self.tie_checks,
             "tie_changes": self.tie_changes,
             "tie_seconds": self.tie_seconds,
