@@ -49,19 +49,26 @@ def test_acceptance_records_count_only_tried_tokens():
                                          (0, 0.9, True), (1, 0.9, True), (2, 0.9, True)]
 
 
-@pytest.mark.parametrize("options", [{}, {"rescorer": "oracle"}, {"tree": (2, 2, 1)}])
-def test_cost_schedule_decodes_exactly(one_thread, options):
+def schedule_runs(schedule: str, options: dict, max_new_tokens: int):
+    """Three prompts decoded with `draft_schedule=schedule` (`rescorer="oracle"`: drafts of the base's own output),
+    each output checked against the base's greedy one; yields each call's statistics."""
     model = random_bpd("llama", 3)
     for seed in range(3):
         ids = prompt_ids(seed, 4 + 3 * seed)
-        kwargs = dict(max_new_tokens=20, do_sample=False, eos_token_id=None)
+        kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None)
         expected = model.base_lm.generate(ids, **kwargs)
         call = dict(options)
         if call.get("rescorer") == "oracle":
             call["rescorer"] = OracleRescorer(expected[0].tolist())
-        got = model.generate(ids, draft_schedule="cost", **call, **kwargs)
-        assert torch.equal(got, expected), (options, seed)
-        assert len(model.last_generation_stats.draft_probs) == model.last_generation_stats.serial_calls - 1
+        got = model.generate(ids, draft_schedule=schedule, **call, **kwargs)
+        assert torch.equal(got, expected), (schedule, options, seed)
+        yield model.last_generation_stats
+
+
+@pytest.mark.parametrize("options", [{}, {"rescorer": "oracle"}, {"tree": (2, 2, 1)}])
+def test_cost_schedule_decodes_exactly(one_thread, options):
+    for stats in schedule_runs("cost", options, 20):
+        assert len(stats.draft_probs) == stats.serial_calls - 1
 
 
 def test_the_calibration_steers_how_much_is_verified(one_thread):
@@ -335,18 +342,8 @@ def test_the_switch_keeps_drafting_where_drafts_pay():
 def test_switch_schedule_decodes_exactly(one_thread, options):
     """Random heads draft badly: the call falls back to plain steps (and still drafts now and then); the oracle's
     drafts pay: every step drafts. The tokens are the base's either way."""
-    model = random_bpd("llama", 3)
     plain_steps = []
-    for seed in range(3):
-        ids = prompt_ids(seed, 4 + 3 * seed)
-        kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None)
-        expected = model.base_lm.generate(ids, **kwargs)
-        call = dict(options)
-        if call.get("rescorer") == "oracle":
-            call["rescorer"] = OracleRescorer(expected[0].tolist())
-        got = model.generate(ids, draft_schedule="switch", **call, **kwargs)
-        assert torch.equal(got, expected), (options, seed)
-        stats = model.last_generation_stats
+    for stats in schedule_runs("switch", options, 40):
         assert stats.plain_steps == sum(1 for n in stats.draft_tokens[1:] if n == 0)
         plain_steps.append(stats.plain_steps)
     if options.get("rescorer") == "oracle":

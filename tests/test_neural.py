@@ -112,6 +112,7 @@ def test_bundled_neural_rescorers_round_trip(tmp_path, tiny_base_dir):
     assert (tmp_path / "ckpt" / "rescorers" / "prefix-adapter" / "adapter_config.json").exists()
 
     loaded = BlockwiseParallelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    assert all(p.is_leaf for p in loaded.base_lm.parameters())  # deriving the rescorer leaves the base untouched
     assert loaded.config.rescorers["neural"] == {"path": "rescorers/prefix-adapter", "alpha": 0.5,
                                                  "type": "base_prefix", "num_layers": 1}
     assert loaded.bundled_rescorers["neural"].alpha == 0.5

@@ -176,8 +176,11 @@ def truncated_base(base: PreTrainedModel, num_layers: int) -> PreTrainedModel:
         tensor = _base_tensor(base, name)
         if tensor is None:
             missing.append(name)
+        elif type(tensor) in (torch.Tensor, torch.nn.Parameter) and not tensor.is_quantized:
+            state[name] = tensor.detach()
         else:  # a weight-quantized base (optimum-quanto, ...) holds quantized tensors: their dequantized values
-            state[name] = (tensor.dequantize() if hasattr(tensor, "dequantize") else tensor).detach()
+            with torch.no_grad():  # (dequantize() on a plain Parameter would make it a non-leaf: never called there)
+                state[name] = tensor.dequantize().detach()
     if missing:
         raise BPDConfigError(f"cannot derive a rescorer from {type(base).__name__}: no weights for {missing[:2]}")
     small.load_state_dict(state)
