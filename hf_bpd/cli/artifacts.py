@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from .common import _locate, _positive, dtype_name, load_model
+from .common import _add_dtype, _locate, _positive, load_model
 
 
 def cmd_compile(args) -> int:
@@ -69,8 +69,6 @@ def _largest_block(model, args) -> int:
 
 def add_parsers(sub, command) -> None:
     """The `compile` subcommand's parser."""
-    from .common import DTYPES
-
     p = command(
         "compile", "build the compiled verification step for this machine once (loaded by every later process)",
         "Exports the base's verification step and compiles it ahead of time (AOTInductor) into "
@@ -79,8 +77,7 @@ def add_parsers(sub, command) -> None:
         "seconds instead of compiling. --list shows the cache, --clear empties it.")
     p.add_argument("model", nargs="?", default=None, help="heads checkpoint directory or base model")
     p.add_argument("--threads", type=int, default=2, help="torch threads the artifact is built for (baked in)")
-    p.add_argument("--dtype", default="float32", type=dtype_name, choices=DTYPES,
-                     help="model dtype (also fp32, bf16, fp16)")
+    _add_dtype(p)
     p.add_argument("--tree", default=None, help="a tree shape you will draft with (widths per head, e.g. 4,2,2,1): "
                    "says whether the artifact serves its blocks")
     p.add_argument("--draft-nodes", type=int, default=None, help="a draft-node budget you will draft with (the same)")

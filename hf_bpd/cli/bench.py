@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from ..limits import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS
-from .common import (BENCH_DEFAULT_METHODS, DEVICE_HELP, DTYPES, RESCORER_NAMES, _add_common, _check_drafting_flags,
-                     _int_list, _locate, _positive, _questions, _setup, _writable_dir, _writable_file,
-                     dtype_name, load_model)
+from .common import (BENCH_DEFAULT_METHODS, DEVICE_HELP, RESCORER_NAMES, _add_common, _add_dtype,
+                     _check_drafting_flags, _int_list, _locate, _positive, _questions, _setup, _writable_dir,
+                     _writable_file, load_model)
 
 
 def cmd_bench(args) -> int:
@@ -241,8 +241,7 @@ def add_parsers(sub, command) -> None:
     prof.add_argument("--no-compile", action="store_true", help="eager only (no compilation)")
     prof.add_argument("--threads", type=int, default=2, help="torch threads")
     prof.add_argument("--seed", type=int, default=0, help="random seed")
-    prof.add_argument("--dtype", default="float32", type=dtype_name, choices=DTYPES,
-                     help="model dtype (also fp32, bf16, fp16)")
+    _add_dtype(prof)
     prof.add_argument("--device", default="cpu", help=DEVICE_HELP)
     prof.add_argument("--output", metavar="FILE.json", help="also write the table as JSON (default: none)")
     prof.set_defaults(func=cmd_profile)

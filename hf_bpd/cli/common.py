@@ -20,12 +20,22 @@ BENCH_DEFAULT_METHODS = ("ar", "ar-compiled", "llama.cpp", "pld", "early-exit", 
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 QUANTIZE = ("int8",)
+DEVICE_HELP = "where the model runs: cpu, cuda, cuda:N, mps, or auto (transformers' device_map='auto')"
 
 
 def dtype_name(text: str) -> str:
     """`--dtype`: a torch dtype name or its short form (fp32, bf16, fp16)."""
     return DTYPE_ALIASES.get(text, text)
-DEVICE_HELP = "where the model runs: cpu, cuda, cuda:N, mps, or auto (transformers' device_map='auto')"
+
+
+def _add_dtype(p, quantize: bool = False) -> None:
+    """`--dtype` (a torch dtype name or its short form) and, with `quantize`, `--quantize int8`."""
+    p.add_argument("--dtype", default="float32", type=dtype_name, choices=DTYPES,
+                   help="model dtype (also fp32, bf16, fp16)")
+    if quantize:
+        p.add_argument("--quantize", default=None, choices=QUANTIZE,
+                       help="the base's linear layers with int8 weights (optimum-quanto; eager verification only) "
+                            "(default: off)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -208,11 +218,7 @@ def _add_common(p, model_default: str | None = "smollm2-135m-instruct", question
                    help="wrap prompts in the tokenizer's chat template (default: when the tokenizer has one)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--seed", type=int, default=0, help="random seed")
-    p.add_argument("--dtype", default="float32", type=dtype_name, choices=DTYPES,
-                   help="model dtype (also fp32, bf16, fp16)")
-    p.add_argument("--quantize", default=None, choices=QUANTIZE,
-                   help="the base's linear layers with int8 weights (optimum-quanto; eager verification only) "
-                        "(default: off)")
+    _add_dtype(p, quantize=True)
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--output", metavar="FILE.json", help="write every figure as JSON (default: none)")
     if plot:

@@ -9,8 +9,8 @@ import sys
 import time
 
 from ..limits import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS
-from .common import (DEFAULT_PROMPT, DEVICE_HELP, DTYPES, QUANTIZE, RESCORER_NAMES, _check_drafting_flags, _int_list,
-                     _locate, _positive, dtype_name, load_for_generation)
+from .common import (DEFAULT_PROMPT, DEVICE_HELP, RESCORER_NAMES, _add_dtype, _check_drafting_flags, _int_list, _locate,
+                     _positive, load_for_generation)
 
 
 def _encode(tokenizer, prompt: str, chat: bool):
@@ -208,11 +208,7 @@ def add_parsers(sub, command) -> None:
                                                           "--do-sample)")
     gen.add_argument("--seed", type=int, default=0, help="random seed")
     gen.add_argument("--threads", type=int, default=2, help="torch threads")
-    gen.add_argument("--dtype", default="float32", type=dtype_name, choices=DTYPES,
-                     help="model dtype (also fp32, bf16, fp16)")
-    gen.add_argument("--quantize", default=None, choices=QUANTIZE,
-                     help="the base's linear layers with int8 weights (optimum-quanto; eager verification only) "
-                          "(default: off)")
+    _add_dtype(gen, quantize=True)
     gen.add_argument("--device", default="cpu", help=DEVICE_HELP)
     gen.add_argument("--no-heads", action="store_true", help="plain decoding with the base model")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are accepted")

@@ -33,7 +33,8 @@ def gguf_of(model, gguf: str | Path | None = None) -> Path:
         if not path.is_file() or path.suffix != ".gguf":
             raise MethodSkipped(f"--gguf {gguf}: no such .gguf file")
         return path
-    names = [getattr(model.config, "base_model_name_or_path", None), getattr(model, "base_lm", model).config.name_or_path]
+    base = getattr(model, "base_lm", model)
+    names = [getattr(model.config, "base_model_name_or_path", None), base.config.name_or_path]
     alias = next((n for n in names if n in PACKAGED_MODELS), None)
     if alias is None:
         raise MethodSkipped(f"the base ({names[0] or names[1]}) is not a packaged GGUF base: pass --gguf PATH for "

@@ -19,6 +19,8 @@ decoded: a plain step is the base's one-token forward through the same verifier.
 
 from __future__ import annotations
 
+from .batch_width import shadow_accepted
+
 PRIOR_TOKENS = 2.0  # tokens per drafted step assumed before any was measured: the call starts drafting
 WEIGHT = 0.25  # moving averages: the weight of the newest step
 MARGIN = 0.05  # leave a mode only when the other is expected to be 5 % faster (no flapping at break-even)
@@ -79,6 +81,6 @@ class StepSwitch:
         if len(decoded) - start < longest + 1:  # the bonus token after a fully accepted draft too
             return
         actual = decoded[start:start + longest]
-        accepted = max(next((i for i, (a, b) in enumerate(zip(d, actual)) if a != b), len(d)) for d in drafts)
+        accepted = max(shadow_accepted(list(d), actual)[1] for d in drafts)
         self.gain = self._average(self.gain, accepted + 1)
         self.probe = None

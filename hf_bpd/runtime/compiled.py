@@ -368,8 +368,9 @@ class CompiledVerifier:
     def prefill(self, input_ids: torch.Tensor, all_positions: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt pass, eager, writing into the static cache (the call holds the runner's lock from here on).
         The cache still holds the last call's context: with an fp32 base the prompt's longest prefix found there is
-        kept and only the rest runs (a growing conversation passes only its new turn). `all_positions`: the whole prompt runs and the
-        hidden states of every position come back, `(n, hidden_size)` (a feature-level drafter reads them)."""
+        kept and only the rest runs (a growing conversation passes only its new turn). `all_positions`: the whole
+        prompt runs and the hidden states of every position come back, `(n, hidden_size)` (a feature-level drafter
+        reads them)."""
         reused = self.runner.take_prefix(input_ids[0])
         # Half precision rounds a prompt token's keys and values differently when it ran in another call's prompt
         # pass (another block of rows), and greedy choices flip at its many near-ties: a call recomputes its prompt

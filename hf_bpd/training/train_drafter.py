@@ -85,8 +85,8 @@ class DraftTargets:
 
 def _depth_terms(logits: torch.Tensor, batch: dict, targets: DraftTargets, depth: int, span: int,
                  to_vocab_ids) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
-    """Soft cross-entropy per position `(n, span)`, the valid-position mask, and `(agreeing, valid)` (0-d tensors) for the
-    predictions `logits (n, span, draft)` of the base's next token at positions `depth .. depth + span - 1`."""
+    """Soft cross-entropy per position `(n, span)`, the valid-position mask, and `(agreeing, valid)` (0-d tensors) for
+    the predictions `logits (n, span, draft)` of the base's next token at positions `depth .. depth + span - 1`."""
     lengths = batch["lengths"].long()
     valid = (torch.arange(span, device=logits.device)[None] + depth) < lengths[:, None]
     ids, weights = targets(batch["top_ids"][:, depth:depth + span], batch["top_logprobs"][:, depth:depth + span])
@@ -155,9 +155,8 @@ class Trainee:
     def done(self) -> bool:
         return self.seen >= self.max_tokens
 
-    def step(self, batch: dict, bf16: bool, tokens: int | None = None) -> torch.Tensor:
-        """One optimizer step on `batch` (`tokens`: its token count, when the caller knows it); the loss, on the
-        batch's device."""
+    def step(self, batch: dict, bf16: bool, tokens: int) -> torch.Tensor:
+        """One optimizer step on `batch` of `tokens` tokens; the loss, on the batch's device."""
         progress = self.seen / self.max_tokens
         scale = min(1.0, (progress + 1e-9) / 0.02) * max(0.1, 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
         for group in self.optimizer.param_groups:
@@ -170,7 +169,7 @@ class Trainee:
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.optimizer.step()
         self.steps += 1
-        self.seen += int(batch["lengths"].sum()) if tokens is None else tokens
+        self.seen += tokens
         self.agree += [[0, 0] for _ in range(len(counts) - len(self.agree))]
         for d, (a, v) in enumerate(counts):
             self.agree[d][0] += a
