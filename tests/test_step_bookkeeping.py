@@ -107,6 +107,7 @@ def test_stop_strings_use_the_general_check():
 class _Runner:  # the attributes of a `CompiledRunner` the mask reads (no compiled step is needed for the mask)
     max_cache_len = 64
     cache = None
+    ordered = False  # a float32 base: slot-order masks
 
 
 class _Model:
@@ -136,7 +137,7 @@ def test_the_in_place_attention_mask_equals_one_built_from_scratch():
         b = 8 if step % 7 else 5
         if len(tree) + 1 > b:
             continue
-        depths, block = verifier._block_pattern(tree, b, "cpu")
+        depths, block, _ = verifier._block_pattern(tree, b, "cpu")
         mask = verifier._mask(b, past, block, "cpu")
         assert torch.equal(mask, reference_mask(tree, past, b, _Runner.max_cache_len)), step
         expected_depths = torch.arange(b)

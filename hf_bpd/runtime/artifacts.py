@@ -34,6 +34,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import attention_implementation
+from .ordered_attention import uses_ordered_attention
 from .step import VerificationStep, compile_unsupported_reason, verification_cache
 
 FORMAT = 2  # bump when the exported step changes
@@ -77,6 +78,8 @@ def unsupported_reason(base) -> str | None:
         return reason
     if base.device.type != "cpu":
         return "artifacts are built for CPU bases"
+    if uses_ordered_attention(base):
+        return "half-precision bases attend in position order, compiled in-process"
     if getattr(base.config, "_attn_implementation", None) not in ("sdpa", "eager"):
         return f"attention implementation {base.config._attn_implementation!r}"
     if not hasattr(torch._inductor, "aoti_compile_and_package"):

@@ -26,11 +26,13 @@ import torch._inductor.config as inductor_config
 from torch import nn
 
 from ..kv_cache import CACHE_NAME
-from .attention import grouped_query_attention, uses_grouped_attention
+from .attention import attention_implementation, grouped_query_attention, uses_grouped_attention
 from .inlining import INDUCTOR_OPTIONS, compiler_options
 from .int8_heads import int8_heads_step, kernel_file
 from .prefetch import prefetching_gemm_template
 from .quiet import quiet_compilation
+from .ordered_attention import (ORDERED_ATTENTION, block_key_order, identity_key_order, placed_key_order,
+                                uses_ordered_attention)
 from .step import VerificationStep, verification_cache
 
 if TYPE_CHECKING:
@@ -52,13 +54,22 @@ MAX_TREE_PATTERNS = 4096  # tree shapes whose block masks one call keeps
 class _Patches(contextlib.ExitStack):
     """The compile settings, applied around every call of a compiled step (see `CompiledRunner`): `INDUCTOR_OPTIONS`
     and GCC told to inline the GEMM micro-kernels of every row count (`hf_bpd.runtime.inlining`), without autotune
-    tables on stderr (`hf_bpd.runtime.quiet`). dynamo compiles
-    at most `recompile_limit` (default 8) shapes per function and then silently runs it eagerly (measured: block
-    lengths 8..16 of `hf-bpd profile` ran uncompiled); each block length is one shape, so the limit is raised."""
+    tables on stderr (`hf_bpd.runtime.quiet`). dynamo compiles at most `recompile_limit` (default 8) shapes per
+    function and then silently runs it eagerly (measured: block lengths 8..16 of `hf-bpd profile` ran uncompiled);
+    each block length is one shape, so the limit is raised.
+    `ordered` (half precision): GEMMs by inductor's CPU templates only, which round a row alike for any row count
+    (autotuned against ATen's, another kernel won for one row than for eight: bf16 SmolLM2's rows rounded apart)."""
+
+    def __init__(self, ordered: bool = False):
+        super().__init__()
+        self.ordered = ordered
 
     def __enter__(self):
         super().__enter__()
-        self.enter_context(inductor_config.patch({**INDUCTOR_OPTIONS, **compiler_options()}))
+        options = {**INDUCTOR_OPTIONS, **compiler_options()}
+        if self.ordered:
+            options["max_autotune_gemm_backends"] = "CPP"
+        self.enter_context(inductor_config.patch(options))
         self.enter_context(dynamo_config.patch(recompile_limit=MAX_COMPILED_SHAPES))
         self.enter_context(prefetching_gemm_template())
         self.enter_context(quiet_compilation())
@@ -148,14 +159,18 @@ class CompiledRunner:
         # Grouped key/value heads are read in place, not copied per query head (`hf_bpd.runtime.attention`); the
         # switch is on in every call of the compiled step (dynamo guards on the attention implementation's name).
         self.grouped = uses_grouped_attention(base)
+        # Half-precision bases attend in position order (`hf_bpd.runtime.ordered_attention`): a block's rows round
+        # as one-token steps do, so drafting never changes their output.
+        self.ordered = uses_ordered_attention(base)
         # The static cache allocates its tensors lazily, in its first update: do that now, eagerly, or the first
         # compiled call traces the allocation (guard `is_initialized == False`) and the next one compiles again
         # (measured: every first block length compiled twice, ~1 min each for SmolLM2).
         with torch.no_grad():
             device = base.device
             one = torch.zeros(1, 1, dtype=torch.long, device=device)
-            with grouped_query_attention(base, self.grouped):
-                self.step(one, one, one[0], torch.zeros(1, 1, 1, max_cache_len, dtype=base.dtype, device=device))
+            with self.attention():
+                self.step(one, one, one[0], torch.zeros(1, 1, 1, max_cache_len, dtype=base.dtype, device=device),
+                          *self.key_order(1, device))
         self.heads_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # heads -> {top_k: compiled}
         self.lock = threading.RLock()  # warm_up may run inside a caller that holds it
         self.reset()
@@ -171,14 +186,26 @@ class CompiledRunner:
             self._compiled = torch.compile(self.step, dynamic=False)
         return self._compiled
 
-    def run(self, input_ids, position_ids, cache_position, attention_mask):
+    def attention(self):
+        """The attention the steps run on: position-ordered for half precision, else PyTorch's grouped kernel."""
+        if self.ordered:
+            return attention_implementation(self.base, ORDERED_ATTENTION)
+        return grouped_query_attention(self.base, self.grouped)
+
+    def key_order(self, rows: int, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Ordered attention's identity `(key_slots, key_ranks)` for `rows` query rows (Nones for other bases)."""
+        return identity_key_order(rows, self.max_cache_len, device) if self.ordered else (None, None)
+
+    def run(self, input_ids, position_ids, cache_position, attention_mask, order=None):
+        """One step over the block `input_ids`; `order`: ordered attention's maps (default: `key_order`'s)."""
         q = input_ids.shape[1]
-        with grouped_query_attention(self.base, self.grouped):
+        order = order if order is not None else self.key_order(q, input_ids.device)
+        with self.attention():
             if q in self.compiled_buckets:  # compiled: the settings only matter while compiling (~0.26 ms a patch)
-                return self.compiled(input_ids, position_ids, cache_position, attention_mask)
+                return self.compiled(input_ids, position_ids, cache_position, attention_mask, *order)
             start = time.perf_counter()
-            with _Patches():
-                logits, hidden = self.compiled(input_ids, position_ids, cache_position, attention_mask)
+            with _Patches(self.ordered):
+                logits, hidden = self.compiled(input_ids, position_ids, cache_position, attention_mask, *order)
         self.compiled_buckets[q] = time.perf_counter() - start
         return logits, hidden
 
@@ -293,12 +320,12 @@ class ArtifactRunner(CompiledRunner):
         self.kv = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
         self.blocking = False  # set per call: whether a block over `max_block` may compile
 
-    def run(self, input_ids, position_ids, cache_position, attention_mask):
+    def run(self, input_ids, position_ids, cache_position, attention_mask, order=None):
         q = input_ids.shape[1]
         if q > self.max_block:
             if self.blocking:
                 self.last_kind = "compiled"
-                return super().run(input_ids, position_ids, cache_position, attention_mask)
+                return super().run(input_ids, position_ids, cache_position, attention_mask, order)
             self.last_kind = "eager"
             with grouped_query_attention(self.base, self.grouped):
                 return self.step(input_ids, position_ids, cache_position, attention_mask)
@@ -394,25 +421,36 @@ class CompiledVerifier:
         b = next((x for x in self.buckets if x >= q), q)  # the smallest compiled shape that holds the block
         past = self.length
         tokens = torch.tensor([[last_token] + tree.tokens + [0] * (b - q)], dtype=torch.long, device=device)
-        depths, block = self._block_pattern(tree, b, device)
+        depths, block, order = self._block_pattern(tree, b, device)
         mask = self._mask(b, past, block, device)
-        logits, hidden = self.runner.run(tokens, (past + depths)[None], past + self._arange(b, device), mask)
+        # ordered attention: each row reads its ancestors at their positions
+        maps = None if order is None else placed_key_order(order, past, self.runner.max_cache_len, device)
+        logits, hidden = self.runner.run(tokens, (past + depths)[None], past + self._arange(b, device), mask, maps)
         return logits[0, :q], hidden[0, :q]
 
-    def _block_pattern(self, tree: DraftTree, b: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(depths (b,), additive mask (b, b))` of the block: each node sees the root and its ancestors; padding
-        rows see themselves only (no row may see nothing). Kept per tree shape (a call meets few)."""
+    def _block_pattern(self, tree: DraftTree, b: int, device):
+        """`(depths (b,), additive mask (b, b), order)` of the block. Slot order (`order` None): each node sees the
+        root and its ancestors; padding rows see themselves only (no row may see nothing). Position order (ordered
+        attention): column `j` of row `i` is the row's position `past + j`, open up to the row's depth, and
+        `order = (slots, ranks)`: `slots[i, j]` is the block slot holding it (the row's ancestor at depth `j`, then the
+        row's other block slots in order, closed; padding rows read the block in slot order), `ranks` the inverse.
+        Kept per tree shape (a call meets few)."""
         key = (b, tuple(tree.parents))
         pattern = self._patterns.get(key)
         if pattern is None:
             q = len(tree) + 1
             depths = torch.arange(b, dtype=torch.long)
             depths[:q] = tree.block_depths()
-            allowed = torch.eye(b, dtype=torch.bool)
-            allowed[:q, :q] = tree.ancestors_mask()
+            order = None
+            if self.runner.ordered:
+                allowed = torch.arange(b)[None, :] <= depths[:, None]
+                order = tuple(t.to(device) for t in block_key_order(tree.parents, b))
+            else:
+                allowed = torch.eye(b, dtype=torch.bool)
+                allowed[:q, :q] = tree.ancestors_mask()
             block = torch.zeros(b, b, dtype=self.base.dtype)
             block.masked_fill_(~allowed, torch.finfo(self.base.dtype).min)
-            pattern = (depths.to(device), block.to(device))
+            pattern = (depths.to(device), block.to(device), order)
             if len(self._patterns) < MAX_TREE_PATTERNS:
                 self._patterns[key] = pattern
         return pattern

@@ -62,15 +62,16 @@ class VerificationStep(nn.Module):
         self.softcap = float(softcap) if softcap else None
         self.window = sliding_window_of(base)
 
-    def forward(self, input_ids, position_ids, cache_position, attention_mask):
+    def forward(self, input_ids, position_ids, cache_position, attention_mask, key_slots=None, key_ranks=None):
         if self.window is not None:  # a key `window` or more positions behind a query is out of its reach
             slots = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
             too_old = slots[None, :] <= position_ids[0, :, None] - self.window
             sliding = attention_mask.masked_fill(too_old, torch.finfo(attention_mask.dtype).min)
             attention_mask = {"full_attention": attention_mask, "sliding_attention": sliding}
+        extra = {} if key_slots is None else {"key_slots": key_slots, "key_ranks": key_ranks}  # ordered attention
         hidden = self.base.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                          cache_position=cache_position, attention_mask=attention_mask,
-                                         **{CACHE_NAME: self.cache}, use_cache=True).last_hidden_state
+                                         **{CACHE_NAME: self.cache}, use_cache=True, **extra).last_hidden_state
         logits = self.base.get_output_embeddings()(hidden)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap

@@ -1,0 +1,155 @@
+"""Half-precision bases: position-ordered attention makes a verification block round like one-token steps, so the
+compiled default equals compiled plain decoding token for token (`hf_bpd.runtime.ordered_attention`)."""
+
+import copy
+
+import pytest
+import torch
+
+from hf_bpd.generation.tree import DraftTree
+from hf_bpd.runtime import compiled as verify_runtime
+from hf_bpd.runtime.ordered_attention import ordered_attention_forward
+from tests.conftest import VOCAB
+from tests.test_decoding import random_bpd
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+class _Module:
+    num_key_value_groups = 2
+
+
+def _path(tree: DraftTree, row: int) -> list[int]:
+    """Block slots of the root, `row`'s ancestors and `row` (block row `row` is node `row - 1`), in depth order."""
+    path = [row]
+    while path[-1] > 0:
+        path.append(tree.parents[path[-1] - 1] + 1)
+    return path[::-1]
+
+
+def _block_attention(attend, q, k, v, past, tree: DraftTree):
+    """A tree block's attention (root + `tree` after `past` cached slots) through `attend` (the ordered attention,
+    eager or compiled), with the maps and mask the compiled verifier builds."""
+    rows, slots = q.shape[2], k.shape[2]
+    depths = torch.arange(rows)
+    depths[:len(tree) + 1] = tree.block_depths()
+    key_slots = torch.arange(slots).repeat(rows, 1)
+    for row in range(1, len(tree) + 1):
+        path = _path(tree, row)
+        key_slots[row, past:past + rows] = past + torch.tensor(path + sorted(set(range(rows)) - set(path)))
+    open_ = torch.arange(slots)[None] <= (past + depths)[:, None]
+    mask = torch.zeros(1, 1, rows, slots, dtype=q.dtype).masked_fill(~open_, torch.finfo(q.dtype).min)
+    return attend(q, k, v, mask, key_slots, torch.argsort(key_slots, dim=-1)), depths
+
+
+def _lone_rows(attend, q, k, v, past, tree: DraftTree, depths):
+    """Each tree row alone, as plain decoding computes it: one query at the row's position, its sequence (the cache,
+    the root, its ancestors) in slots 0..position."""
+    slots = k.shape[2]
+    identity = torch.arange(slots)[None]
+    for row in range(len(tree) + 1):
+        chain = _path(tree, row)
+        lone_k, lone_v = k.clone(), v.clone()
+        lone_k[:, :, past:past + len(chain)] = k[:, :, [past + c for c in chain]]
+        lone_v[:, :, past:past + len(chain)] = v[:, :, [past + c for c in chain]]
+        mask = torch.zeros(1, 1, 1, slots, dtype=q.dtype)
+        mask[..., past + int(depths[row]) + 1:] = torch.finfo(q.dtype).min
+        yield row, attend(q[:, :, row:row + 1], lone_k, lone_v, mask, identity, identity)[0, 0]
+
+
+def _ordered(q, k, v, mask, key_slots, key_ranks):
+    return ordered_attention_forward(_Module(), q, k, v, mask, key_slots=key_slots, key_ranks=key_ranks)[0]
+
+
+# Siblings between ancestors leave gaps in slot order; 6 nodes + the root + 1 padding row: a compiled block of 8.
+TREE = DraftTree([(5, 6), (8, 9, 1), (5, 10)])
+
+
+def test_compiled_ordered_attention_rows_equal_one_token_steps_whatever_the_tree():
+    """Each row of a tree block equals, bit for bit, a lone query at the row's position attending to its own sequence
+    in slot order (what plain decoding computes), at SmolLM2's sizes (9 query heads over 3 key/value heads of 64,
+    a 512-slot cache) on 2 threads; and it is attention (close to PyTorch's kernel). PyTorch's CPU kernel with the
+    tree's mask fails the same comparison (measured: 12 of 140 rows over 20 draws), and so does the ordered attention
+    run eagerly (MKL's GEMMs are not row-invariant): the property is the compiled step's."""
+    from hf_bpd.runtime.compiled import _Patches
+
+    torch._dynamo.reset()
+    attend = torch.compile(_ordered, dynamic=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad(), _Patches(ordered=True):
+            for trial in range(4):
+                generator = torch.Generator().manual_seed(trial)
+                past, slots = 237, 512
+                q = torch.randn(1, 9, 8, 64, generator=generator).to(torch.bfloat16)
+                k = (2 * torch.randn(1, 3, slots, 64, generator=generator)).to(torch.bfloat16)
+                v = torch.randn(1, 3, slots, 64, generator=generator).to(torch.bfloat16)
+                block, depths = _block_attention(attend, q, k, v, past, TREE)
+                if trial == 0:
+                    allowed = torch.zeros(8, slots, dtype=torch.bool)
+                    allowed[:, :past + 8] = True
+                    allowed[:, past:past + 8] = torch.eye(8, dtype=torch.bool)
+                    allowed[:len(TREE) + 1, past:past + len(TREE) + 1] = TREE.ancestors_mask()
+                    mask = torch.zeros(1, 1, 8, slots).masked_fill(~allowed, float("-inf"))
+                    reference = torch.nn.functional.scaled_dot_product_attention(
+                        q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True).transpose(1, 2)
+                    rows = len(TREE) + 1  # (the padding row attends differently, and is never read)
+                    torch.testing.assert_close(block[:, :rows].float(), reference[:, :rows], atol=2e-2, rtol=2e-2)
+                for row, lone in _lone_rows(attend, q, k, v, past, TREE, depths):
+                    assert torch.equal(lone, block[0, row]), (trial, row)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def bf16_model(one_thread):
+    model = copy.deepcopy(random_bpd("llama", 8)).to(torch.bfloat16)
+    yield model
+    verify_runtime.discard_runners(model.base_lm)
+    torch._dynamo.reset()  # dynamo keeps at most MAX_COMPILED_SHAPES graphs of the step's code: leave room for others
+
+
+def _prompt(seed: int, length: int):
+    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_compiled_bf16_block_rows_equal_one_token_steps(bf16_model):
+    """The compiled step's logits for a tree block equal, bit for bit, the one-token compiled steps at the same
+    positions (the tree's path decoded plainly)."""
+    base = bf16_model.base_lm
+    ids = _prompt(3, 11)
+    runner = verify_runtime.compiled_runner(base, 64)
+    assert runner.ordered
+    path = [7, 8, 9]
+    tree = DraftTree([(20, 21), tuple(path), (7, 30)])
+    with runner.lock, torch.no_grad():
+        verifier = verify_runtime.CompiledVerifier(bf16_model, runner)
+        verifier.buckets = [1, 8]
+        verifier.prefill(ids)
+        block, _ = verifier.verify(5, tree, "cpu")
+        node, rows = -1, [0]
+        for token in path:
+            node = tree.children[node][token]
+            rows.append(node + 1)
+        verifier.close(10 ** 9)
+        verifier = verify_runtime.CompiledVerifier(bf16_model, runner)
+        verifier.prefill(ids)
+        for step, token in enumerate([5] + path):
+            logits, _ = verifier.verify(token, DraftTree([]), "cpu")
+            assert torch.equal(logits[0], block[rows[step]]), step
+            verifier.keep(1, [0])
+        verifier.close(10 ** 9)
+
+
+@pytest.mark.parametrize("options", [{}, {"tree": (2, 2, 1)}, {"num_drafts": 3, "draft_top_k": 2},
+                                     {"num_drafts": 3, "draft_top_k": 2, "draft_nodes": 3, "prompt_lookup": True}],
+                         ids=["chain", "tree", "pbest", "nodes"])
+def test_compiled_bf16_decoding_equals_compiled_plain_decoding(bf16_model, options):
+    kwargs = dict(do_sample=False, eos_token_id=None, compile=True)
+    for seed in range(3):
+        ids = _prompt(seed, 4 + 5 * seed)
+        plain = bf16_model.generate(ids, use_heads=False, max_new_tokens=24, **kwargs)
+        got = bf16_model.generate(ids, max_new_tokens=24, **options, **kwargs)
+        assert torch.equal(got, plain), (options, seed)
+        assert bf16_model.last_generation_stats.verifier == "compiled"
