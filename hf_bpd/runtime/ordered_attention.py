@@ -43,10 +43,12 @@ HALF_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def uses_ordered_attention(base) -> bool:
-    """Whether `base`'s compiled steps attend in position order: half-precision bases without attention soft-capping
-    (Gemma 2's; those keep PyTorch's kernel and are not exact in half precision)."""
+    """Whether `base`'s compiled steps attend in position order: half-precision CPU bases without attention
+    soft-capping (Gemma 2's). Others keep PyTorch's kernel and are not exact in half precision (on GPUs the GEMMs are
+    cuBLAS's, whose row invariance is not established here)."""
     text_config = base.config.get_text_config(decoder=True)
-    return base.dtype in HALF_PRECISION and not getattr(text_config, "attn_logit_softcapping", None)
+    return (base.dtype in HALF_PRECISION and base.device.type == "cpu"
+            and not getattr(text_config, "attn_logit_softcapping", None))
 
 
 def identity_key_order(rows: int, slots: int, device) -> tuple[torch.Tensor, torch.Tensor]:
