@@ -153,3 +153,13 @@ def test_compiled_bf16_decoding_equals_compiled_plain_decoding(bf16_model, optio
         got = bf16_model.generate(ids, max_new_tokens=24, **options, **kwargs)
         assert torch.equal(got, plain), (options, seed)
         assert bf16_model.last_generation_stats.verifier == "compiled"
+
+
+def test_half_precision_bases_compile_in_process_not_through_artifacts(bf16_model):
+    """An artifact's attention reads only the used slots (its reductions regroup as the context grows), so
+    half-precision bases compile in-process, and `hf-bpd compile` says so in one line."""
+    from hf_bpd.runtime import artifacts
+
+    reason = artifacts.unsupported_reason(bf16_model.base_lm)
+    assert reason is not None and "in-process" in reason and "\n" not in reason
+    assert verify_runtime.compiled_runner(bf16_model.base_lm, 64).ordered

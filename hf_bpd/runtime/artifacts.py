@@ -79,7 +79,7 @@ def unsupported_reason(base) -> str | None:
     if base.device.type != "cpu":
         return "artifacts are built for CPU bases"
     if uses_ordered_attention(base):
-        return "half-precision bases attend in position order, compiled in-process"
+        return "half-precision bases attend in position order: generate(compile=True) compiles them in-process"
     if getattr(base.config, "_attn_implementation", None) not in ("sdpa", "eager"):
         return f"attention implementation {base.config._attn_implementation!r}"
     if not hasattr(torch._inductor, "aoti_compile_and_package"):
