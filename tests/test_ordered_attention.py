@@ -8,15 +8,10 @@ import torch
 
 from hf_bpd.generation.tree import DraftTree
 from hf_bpd.runtime import compiled as verify_runtime
-from hf_bpd.runtime.ordered_attention import ordered_attention_forward
-from tests.conftest import VOCAB
-from tests.test_decoding import random_bpd
+from hf_bpd.runtime.ordered_attention import block_key_order, ordered_attention_forward, placed_key_order
+from tests.test_decoding import prompt_ids, random_bpd
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-class _Module:
-    num_key_value_groups = 2
 
 
 def _path(tree: DraftTree, row: int) -> list[int]:
@@ -28,18 +23,15 @@ def _path(tree: DraftTree, row: int) -> list[int]:
 
 
 def _block_attention(attend, q, k, v, past, tree: DraftTree):
-    """A tree block's attention (root + `tree` after `past` cached slots) through `attend` (the ordered attention,
-    eager or compiled), with the maps and mask the compiled verifier builds."""
+    """A tree block's attention (root + `tree` after `past` cached slots) through `attend`, with the maps the
+    compiled verifier builds (`block_key_order`, `placed_key_order`) and its position mask."""
     rows, slots = q.shape[2], k.shape[2]
     depths = torch.arange(rows)
     depths[:len(tree) + 1] = tree.block_depths()
-    key_slots = torch.arange(slots).repeat(rows, 1)
-    for row in range(1, len(tree) + 1):
-        path = _path(tree, row)
-        key_slots[row, past:past + rows] = past + torch.tensor(path + sorted(set(range(rows)) - set(path)))
+    key_slots, key_ranks = placed_key_order(block_key_order(tree.parents, rows), past, slots, "cpu")
     open_ = torch.arange(slots)[None] <= (past + depths)[:, None]
     mask = torch.zeros(1, 1, rows, slots, dtype=q.dtype).masked_fill(~open_, torch.finfo(q.dtype).min)
-    return attend(q, k, v, mask, key_slots, torch.argsort(key_slots, dim=-1)), depths
+    return attend(q, k, v, mask, key_slots, key_ranks), depths
 
 
 def _lone_rows(attend, q, k, v, past, tree: DraftTree, depths):
@@ -58,7 +50,7 @@ def _lone_rows(attend, q, k, v, past, tree: DraftTree, depths):
 
 
 def _ordered(q, k, v, mask, key_slots, key_ranks):
-    return ordered_attention_forward(_Module(), q, k, v, mask, key_slots=key_slots, key_ranks=key_ranks)[0]
+    return ordered_attention_forward(None, q, k, v, mask, key_slots=key_slots, key_ranks=key_ranks)[0]
 
 
 # Siblings between ancestors leave gaps in slot order; 6 nodes + the root + 1 padding row: a compiled block of 8.
@@ -110,15 +102,11 @@ def bf16_model(one_thread):
     torch._dynamo.reset()  # dynamo keeps at most MAX_COMPILED_SHAPES graphs of the step's code: leave room for others
 
 
-def _prompt(seed: int, length: int):
-    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
 def test_compiled_bf16_block_rows_equal_one_token_steps(bf16_model):
     """The compiled step's logits for a tree block equal, bit for bit, the one-token compiled steps at the same
     positions (the tree's path decoded plainly)."""
     base = bf16_model.base_lm
-    ids = _prompt(3, 11)
+    ids = prompt_ids(3, 11)
     runner = verify_runtime.compiled_runner(base, 64)
     assert runner.ordered
     path = [7, 8, 9]
@@ -148,7 +136,7 @@ def test_compiled_bf16_block_rows_equal_one_token_steps(bf16_model):
 def test_compiled_bf16_decoding_equals_compiled_plain_decoding(bf16_model, options):
     kwargs = dict(do_sample=False, eos_token_id=None, compile=True)
     for seed in range(3):
-        ids = _prompt(seed, 4 + 5 * seed)
+        ids = prompt_ids(seed, 4 + 5 * seed)
         plain = bf16_model.generate(ids, use_heads=False, max_new_tokens=24, **kwargs)
         got = bf16_model.generate(ids, max_new_tokens=24, **options, **kwargs)
         assert torch.equal(got, plain), (options, seed)

@@ -29,10 +29,10 @@ from ..kv_cache import CACHE_NAME
 from .attention import attention_implementation, grouped_query_attention, uses_grouped_attention
 from .inlining import INDUCTOR_OPTIONS, compiler_options
 from .int8_heads import int8_heads_step, kernel_file
-from .prefetch import prefetching_gemm_template
-from .quiet import quiet_compilation
 from .ordered_attention import (ORDERED_ATTENTION, block_key_order, identity_key_order, placed_key_order,
                                 uses_ordered_attention)
+from .prefetch import prefetching_gemm_template
+from .quiet import quiet_compilation
 from .step import VerificationStep, verification_cache
 
 if TYPE_CHECKING:
