@@ -33,6 +33,7 @@ _LAZY = {
     "Rescorer": "rescorers", "available_rescorers": "rescorers", "build_ngram": "rescorers",
     "register_rescorer": "rescorers",
     "bpd_lora_config": "training.lora",
+    "Int8WeightsConfig": "runtime.int8_weights", "quantize_int8_weights": "runtime.int8_weights",
 }
 
 __all__ = sorted([*_LAZY, "BPDConfigError", "BPDError", "BPDTypeError", "BaseModelError", "CheckpointError",

@@ -26,6 +26,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask
 
 from .kv_cache import CACHE_NAME
+from .runtime.int8_weights import float_state_dict, float_weight
 
 
 def decoder_of(base) -> nn.Module:
@@ -56,7 +57,7 @@ class FeatureDrafter(nn.Module):
         nn.init.zeros_(self.fuse.bias)
         last = decoder.layers[-1]
         self.layer = type(last)(config, layer_idx=0)
-        self.layer.load_state_dict(last.state_dict())
+        self.layer.load_state_dict(float_state_dict(last))  # (an int8 base's layer dequantized)
         self.norm = copy.deepcopy(decoder.norm)
         self.to(base.dtype)
         self.register_buffer("draft_vocab", None if draft_vocab is None else draft_vocab.clone().long(),
@@ -93,6 +94,8 @@ class FeatureDrafter(nn.Module):
         """The output layer's draft-vocabulary rows (gathered once while the output layer's weight is unchanged;
         in training, gathered every time, so its gradient path stays intact)."""
         weight = self._frozen["output"].weight
+        if not weight.is_floating_point():  # an int8 output layer (`hf_bpd.runtime.int8_weights`): its values
+            weight = float_weight(self._frozen["output"])
         if self.draft_vocab is None:
             return weight
         if self.training or torch.is_grad_enabled():

@@ -25,6 +25,7 @@ from .generation.stats import GenerationStats, finish_stats
 from .generation.stopping import stop_strings_as_criteria
 from .heads import CACHE_NAME, BlockwiseParallelOutput, DraftHeads, heads_placement, next_token_loss
 from .runtime.artifacts import preload as preload_artifact
+from .runtime.int8_weights import quantize_int8_weights, split_int8_weights
 from .hub.bundled import (attach_rescorer, bundle_fields, inside, load_bundled, load_feature_drafter,
                           load_heads_config, merge_base_adapter)
 from .hub.base_models import check_causal_lm, check_fingerprint, fingerprint, load_base_model
@@ -113,10 +114,11 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
 
         `dtype` (default float32; `"auto"`: the base's own), `device_map` (`"cuda"`, `"auto"`, ...),
         `attn_implementation` and `quantization_config` go to the base's `AutoModelForCausalLM.from_pretrained`, as
-        in transformers. The heads then sit on the device of the base's output layer, in its dtype (fp32 when that
-        layer is not a floating-point tensor, e.g. quantized): see `heads_placement`.
+        in transformers (`Int8WeightsConfig()`: hf_bpd's int8 weights, after the fingerprint check). The heads sit
+        on the device of the base's output layer, in its dtype (fp32 if not floating-point): see `heads_placement`.
         """
         dtype = kwargs.pop("torch_dtype", None) if dtype is None else dtype  # transformers' older name
+        int8_weights, quantization_config = split_int8_weights(quantization_config)
         load_options = {k: v for k, v in (("device_map", device_map), ("attn_implementation", attn_implementation),
                                           ("quantization_config", quantization_config)) if v is not None}
         directory = resolve_checkpoint_dir(pretrained_model_name_or_path, kwargs)
@@ -142,6 +144,8 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
                            f"{config.base_model_name_or_path!r} is the base the heads were trained on")
         if config.base_adapter:
             base_model = merge_base_adapter(base_model, inside(directory, config.base_adapter, "base_adapter"))
+        if int8_weights is not None:
+            quantize_int8_weights(base_model, int8_weights)
         model = cls(config, base_model)
         if config.base_adapter:
             model._bundle_sources["base_adapter"] = directory / config.base_adapter

@@ -230,9 +230,9 @@ def test_profile_command_eager_table(tmp_path, capsys, monkeypatch):
     assert list((tmp_path / "cache" / "costs").glob("*.json"))
 
 
-def test_dtype_short_names_and_int8_quantization_flag(tiny, capsys, monkeypatch):
-    """`--dtype bf16` (fp32, fp16) names torch's dtypes; `--quantize int8` loads the base with int8 weights (quanto);
-    anything else is a one-line error."""
+def test_dtype_short_names_and_int8_quantization_flag(tiny, capsys):
+    """`--dtype bf16` (fp32, fp16) names torch's dtypes; `--quantize int8` loads the base with hf_bpd's int8 weights
+    and bf16 activations (bf16 by default then); anything else is a one-line error."""
     parser = build_parser()
     for command in ("generate", "bench", "profile", "compile"):
         assert parser.parse_args([command, "--dtype", "bf16"]).dtype == "bfloat16"
@@ -241,16 +241,14 @@ def test_dtype_short_names_and_int8_quantization_flag(tiny, capsys, monkeypatch)
     assert "argument --quantize: invalid choice: 'int4'" in capsys.readouterr().err
     assert run_main(["generate", "--dtype", "bf8"]) == 2
     assert "argument --dtype: invalid choice: 'bf8'" in capsys.readouterr().err
-    pytest.importorskip("optimum.quanto")
     from hf_bpd.cli import load_model
+    from hf_bpd.runtime.int8_weights import Int8WeightLinear
 
     model = load_model(tiny["heads"], quantize="int8")
-    assert type(model.base_lm.model.layers[0].mlp.up_proj).__name__ == "QLinear"
+    assert isinstance(model.base_lm.model.layers[0].mlp.up_proj, Int8WeightLinear)
+    assert model.base_lm.model.layers[0].mlp.up_proj.weight.dtype == torch.int8 and model.dtype == torch.bfloat16
     code = run_main(["generate", "--model", tiny["heads"], "--prompt", "Hi", "--max-new-tokens", "4", "--quantize",
                      "int8"])
     assert code == 0, capsys.readouterr().err
-    import sys
-
-    monkeypatch.setitem(sys.modules, "optimum.quanto", None)  # what an environment without the package looks like
-    with pytest.raises(ValueError, match="--quantize int8 needs optimum-quanto: pip install optimum-quanto"):
-        load_model(tiny["heads"], quantize="int8")
+    with pytest.raises(ValueError, match="--quantize int8 computes with bf16 activations: pass --dtype bf16, not float32"):
+        load_model(tiny["heads"], dtype="fp32", quantize="int8")

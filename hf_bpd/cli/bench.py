@@ -33,8 +33,9 @@ def cmd_bench(args) -> int:
         report = batch_bench.run_batch_bench(model, tokenizer, questions, sizes, args.max_new_tokens, args.chat,
                                        args.warmup, progress=not args.no_progress,
                                        log=lambda m: print(f"hf-bpd: {m}", file=sys.stderr))
+        dtype = str(model.dtype).removeprefix("torch.")
         report = {"settings": {"model": args.model, "questions": args.questions, "limit": args.limit,
-                               "max_new_tokens": args.max_new_tokens, "batch_sizes": sizes, "dtype": args.dtype,
+                               "max_new_tokens": args.max_new_tokens, "batch_sizes": sizes, "dtype": dtype,
                                "threads": args.threads},
                   "machine": bench.machine_info(), **report}
         print(batch_bench.markdown_batch_report(report), end="")
@@ -59,7 +60,8 @@ def cmd_bench(args) -> int:
     report = {
         "settings": {"model": args.model, "questions": args.questions, "limit": args.limit,
                      "max_new_tokens": args.max_new_tokens, "requested_methods": methods, "chat": chat,
-                     "multi_turn": args.multi_turn, "warmup": args.warmup, "seed": args.seed, "dtype": args.dtype,
+                     "multi_turn": args.multi_turn, "warmup": args.warmup, "seed": args.seed,
+                     "dtype": str(model.dtype).removeprefix("torch."),
                      "quantize": args.quantize,
                      "tree": list(options.tree_widths), "num_drafts": options.num_drafts,
                      "draft_nodes": options.draft_nodes,

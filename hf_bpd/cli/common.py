@@ -30,12 +30,12 @@ def dtype_name(text: str) -> str:
 
 def _add_dtype(p, quantize: bool = False) -> None:
     """`--dtype` (a torch dtype name or its short form) and, with `quantize`, `--quantize int8`."""
-    p.add_argument("--dtype", default="float32", type=dtype_name, choices=DTYPES,
-                   help="model dtype (also fp32, bf16, fp16)")
+    p.add_argument("--dtype", default=None, type=dtype_name, choices=DTYPES,
+                   help="model dtype (also fp32, bf16, fp16; default float32, bfloat16 with --quantize int8)")
     if quantize:
         p.add_argument("--quantize", default=None, choices=QUANTIZE,
-                       help="the base's linear layers with int8 weights (optimum-quanto; eager verification only) "
-                            "(default: off)")
+                       help="the base's linear layers with int8 weights and bf16 activations (hf_bpd's "
+                            "Int8WeightsConfig: compiled, exact) (default: off)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -86,35 +86,33 @@ def _check_device(device: str) -> None:
         raise ValueError(f"--device {device}: only {getattr(torch, kind).device_count()} {kind} device(s) here")
 
 
-def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu", quantize: str | None = None):
-    """A heads checkpoint directory (with its base) or a plain base model, in `dtype` on `device` (`"auto"`:
-    transformers' `device_map="auto"`); `quantize="int8"`: the base's linear layers with int8 weights
-    (optimum-quanto through transformers' `QuantoConfig`; the heads keep `dtype`)."""
+def load_model(name_or_path: str, dtype: str | None = None, device: str = "cpu", quantize: str | None = None):
+    """A heads checkpoint directory (with its base) or a plain base model, in `dtype` (default float32) on `device`
+    (`"auto"`: transformers' `device_map="auto"`); `quantize="int8"`: the base's linear layers with int8 weights and
+    bf16 activations (`hf_bpd.Int8WeightsConfig`; `dtype` bfloat16, its default then)."""
     import torch
 
     from ..hub.base_models import load_base_model
     from ..modeling import BlockwiseParallelForCausalLM
+    from ..runtime.int8_weights import Int8WeightsConfig
 
     _check_device(device)
-    options = {"dtype": getattr(torch, dtype_name(dtype))}
+    dtype = dtype_name(dtype or ("bfloat16" if quantize else "float32"))
+    options = {"dtype": getattr(torch, dtype)}
     if device != "cpu":
         options["device_map"] = device
     if quantize is not None:
-        import importlib.util
-
         if quantize not in QUANTIZE:
             raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE)}, got {quantize[:20]!r}")
-        if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
-            raise ValueError("--quantize int8 needs optimum-quanto: pip install optimum-quanto")
-        from transformers import QuantoConfig
-
-        options["quantization_config"] = QuantoConfig(weights=quantize)
+        if dtype != "bfloat16":
+            raise ValueError(f"--quantize int8 computes with bf16 activations: pass --dtype bf16, not {dtype}")
+        options["quantization_config"] = Int8WeightsConfig()
     if _is_heads_checkpoint(name_or_path):
         return BlockwiseParallelForCausalLM.from_pretrained(name_or_path, **options)
     return load_base_model(name_or_path, **options)
 
 
-def load_for_generation(name_or_path: str, dtype: str = "float32", device: str = "cpu", quantize: str | None = None):
+def load_for_generation(name_or_path: str, dtype: str | None = None, device: str = "cpu", quantize: str | None = None):
     """`(model, tokenizer)`: `load_model` and the tokenizer (a checkpoint's is its base's)."""
     from ..hub.base_models import load_tokenizer
 

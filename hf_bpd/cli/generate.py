@@ -90,6 +90,8 @@ def cmd_generate(args) -> int:
     import torch
     from transformers import TextStreamer
 
+    from ..runtime.ordered_attention import uses_ordered_attention
+
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model, tokenizer = load_for_generation(args.model, args.dtype, args.device, args.quantize)
@@ -164,26 +166,32 @@ def cmd_generate(args) -> int:
         rows = [("plain greedy generate()" if not args.do_sample else "plain sampling generate()",
                  ref.shape[1] - prompt_length, ref_seconds, 1.0, None)]
         label = _method_label(model, options) if stats is not None else "this run"
+        target, target_name = ref, "plain"
         if compiled and not args.no_heads:
             plain_c, plain_c_seconds = _timed(lambda: model.generate(**inputs, **kwargs, use_heads=False,
                                                                        compile="wait", **same_ties))
             rows.append(("plain decoding, compiled (use_heads=False, compile=True)", plain_c.shape[1] - prompt_length,
-                         plain_c_seconds, 1.0, None if args.do_sample else torch.equal(plain_c, ref)))
+                         plain_c_seconds, 1.0,
+                         None if args.do_sample or uses_ordered_attention(base) else torch.equal(plain_c, ref)))
+            if uses_ordered_attention(base):  # half precision: exact against its own compiled plain decoding
+                target, target_name = plain_c, "compiled plain"
         if stats is not None and _method_label(model, options) not in ("bpd", "bpd, compiled"):
             plain, plain_seconds = _timed(lambda: model.generate(**inputs, **kwargs, **plain_bpd))
             rows.append(("bpd (heads' top-1 draft" + (", compiled)" if compiled else ")"), plain.shape[1] - prompt_length, plain_seconds,
                          model.last_generation_stats.block_efficiency,
-                         None if args.do_sample else torch.equal(plain, ref)))
+                         None if args.do_sample else torch.equal(plain, target)))
         rows.append((f"{label} (above)", new_tokens, seconds, stats.block_efficiency if stats else 1.0,
-                     None if args.do_sample else torch.equal(out, ref)))
-        print("\n| method | tok/s | speed-up | block efficiency | identical to plain |")
+                     None if args.do_sample else torch.equal(out, target)))
+        print(f"\n| method | tok/s | speed-up | block efficiency | identical to {target_name} |")
         print("| --- | --- | --- | --- | --- |")
         ref_rate = rows[0][1] / rows[0][2]
         for name, n, secs, be, same in rows:
             ident = "-" if same is None else ("yes" if same else "NO")
             print(f"| {name} | {n / secs:.1f} | {n / secs / ref_rate:.2f}x | {be:.2f} | {ident} |")
         if not args.do_sample:
-            print(f"speed-up: {ref_seconds / seconds:.2f}x  identical output: {torch.equal(out, ref)}")
+            print(f"speed-up: {ref_seconds / seconds:.2f}x  identical output: {torch.equal(out, target)}"
+                  + ("" if target is ref else " (to compiled plain decoding: in half precision eager generate() "
+                                              "rounds differently)"))
     return 0
 
 

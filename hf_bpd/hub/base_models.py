@@ -97,8 +97,14 @@ def resolve_base_path(name_or_path: str, what: str = "base model") -> str:
 
 
 def load_base_model(name_or_path: str, dtype: torch.dtype | str = torch.float32, **kwargs) -> PreTrainedModel:
-    """Load only the causal base model (see `load_base`), in eval mode."""
+    """Load only the causal base model (see `load_base`), in eval mode. `quantization_config=Int8WeightsConfig()`
+    (a bf16 `dtype`): hf_bpd's int8 weights (`hf_bpd.runtime.int8_weights`); other configs go to transformers."""
+    from ..runtime.int8_weights import quantize_int8_weights, split_int8_weights
+
     path = resolve_base_path(str(name_or_path))
+    int8_weights, quantization_config = split_int8_weights(kwargs.pop("quantization_config", None))
+    if quantization_config is not None:  # transformers' own quantizers load the base themselves
+        kwargs["quantization_config"] = quantization_config
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except (OSError, ValueError) as err:
@@ -111,6 +117,8 @@ def load_base_model(name_or_path: str, dtype: torch.dtype | str = torch.float32,
     check_causal_lm(model)
     if name_or_path in PACKAGED_MODELS:
         model.config.name_or_path = name_or_path  # saved heads then name the offline alias, not a cache path
+    if int8_weights is not None:
+        quantize_int8_weights(model, int8_weights)
     return model.eval()
 
 

@@ -188,7 +188,16 @@ def truncated_base(base: PreTrainedModel, num_layers: int) -> PreTrainedModel:
 
 
 def _base_tensor(base: PreTrainedModel, name: str) -> torch.Tensor | None:
-    """The base's parameter or buffer `name` (None when it has none by that name)."""
+    """The base's parameter or buffer `name` (None when it has none by that name); an int8 layer's weight
+    (`hf_bpd.runtime.int8_weights`) dequantized."""
+    owner, _, leaf = name.rpartition(".")
+    try:
+        module = base.get_submodule(owner)
+    except AttributeError:
+        module = None
+    if leaf == "weight" and hasattr(module, "dequantized_weight"):
+        with torch.no_grad():
+            return module.dequantized_weight()
     for get in (base.get_parameter, base.get_buffer):
         try:
             return get(name)

@@ -6,9 +6,7 @@ mask is a 4D tensor over the whole static cache (one buffer per call, of which e
 that changed). The cache holds the call's `max_length` plus one padded block, so the last step's padding stays inside
 it. One graph is compiled per block length, once per process. The prompt pass runs eagerly into the same static
 cache. Rejected tokens are rolled back by moving the accepted path's keys/values into place and resetting each
-layer's `cumulative_length` (a `StaticCache` writes at that counter, not at `cache_position`).
-
-`CompiledVerifier` has the interface of `hf_bpd.generation.verify.EagerVerifier`; the decoding loop picks one.
+layer's `cumulative_length` (a `StaticCache` writes at that counter, not at `cache_position`). `CompiledVerifier` has the interface of `hf_bpd.generation.verify.EagerVerifier`; the decoding loop picks one.
 """
 
 from __future__ import annotations
@@ -57,8 +55,9 @@ class _Patches(contextlib.ExitStack):
     tables on stderr (`hf_bpd.runtime.quiet`). dynamo compiles at most `recompile_limit` (default 8) shapes per
     function and then silently runs it eagerly (measured: block lengths 8..16 of `hf-bpd profile` ran uncompiled);
     each block length is one shape, so the limit is raised.
-    `ordered` (half precision): GEMMs by inductor's CPU templates only, which round a row alike for any row count
-    (autotuned against ATen's, another kernel won for one row than for eight: bf16 SmolLM2's rows rounded apart)."""
+    `ordered` (half precision): GEMMs by inductor's CPU templates only (autotuned against ATen's, another kernel won
+    for one row than for eight), rounding to bf16 wherever the eager program does (`emulate_precision_casts`: else an
+    int8 layer's epilogue stayed fp32 for one row count and not another): a row rounds alike for any row count."""
 
     def __init__(self, ordered: bool = False):
         super().__init__()
@@ -68,7 +67,7 @@ class _Patches(contextlib.ExitStack):
         super().__enter__()
         options = {**INDUCTOR_OPTIONS, **compiler_options()}
         if self.ordered:
-            options["max_autotune_gemm_backends"] = "CPP"
+            options.update(max_autotune_gemm_backends="CPP", emulate_precision_casts=True)
         self.enter_context(inductor_config.patch(options))
         self.enter_context(dynamo_config.patch(recompile_limit=MAX_COMPILED_SHAPES))
         self.enter_context(prefetching_gemm_template())

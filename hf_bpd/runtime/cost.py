@@ -38,9 +38,9 @@ def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
 
 
 def weight_bytes(base) -> int:
-    """Bytes of the parameters one forward reads (shared tensors once)."""
+    """Bytes of the parameters one forward reads (shared tensors once; int8 weights are buffers)."""
     seen, total = set(), 0
-    for p in base.parameters():
+    for p in [*base.parameters(), *base.buffers()]:
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()

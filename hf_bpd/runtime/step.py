@@ -95,5 +95,6 @@ def compile_unsupported_reason(base) -> str | None:
     except Exception:  # noqa: BLE001
         return "it has no decoder / output layer to compile"
     if getattr(base, "hf_quantizer", None) is not None:
-        return "quantized weights cannot be frozen"
+        return ("its quantized weights (transformers' quantizer) cannot be frozen: load it with dtype=torch.bfloat16, "
+                "quantization_config=hf_bpd.Int8WeightsConfig() for int8 weights that compile")
     return None

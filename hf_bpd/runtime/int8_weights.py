@@ -1,0 +1,127 @@
+"""A base with int8 weights that compiles, exact: `from_pretrained(..., dtype=torch.bfloat16,
+quantization_config=Int8WeightsConfig())` (CLI: `--quantize int8`).
+
+Every linear layer of the decoder and the output layer keeps its weight as int8 with one bf16 scale per output row
+(symmetric: `scale = max |row| / 127`, `weight = round(w / scale)`), a quarter of the fp32 bytes, and computes
+`linear(x, weight.to(bf16)) * scale` on bf16 activations. The embeddings and the norms stay bf16. That expression is
+the one inductor's weight-only int8 lowering recognises (with `freezing`): compiled, each layer is one of its CPU GEMM
+templates reading the int8 weight directly (dequantized in registers, fp32 accumulation), so the compiled steps run on
+a quarter of the fp32 weight bytes; eagerly it is the same arithmetic through a dequantized copy (slow, correct).
+
+Exactness: the templates' small-row micro-kernels add a row's products in the same order whatever the number of rows
+(measured: rows 1, 2, 8 and 16 bit for bit equal on SmolLM2's shapes); what also mattered is where inductor rounds
+to bf16. Fused into a GEMM's epilogue, the scale multiply and the residual add stayed in fp32 for one block length
+and were rounded to bf16 for another (SmolLM2-135M int8, compiled: every row of a block of 8 differed from a one-token
+step); `emulate_precision_casts` makes inductor round wherever the eager program does, and with position-ordered
+attention (`hf_bpd.runtime.ordered_attention`) a block's rows equal one-token steps bit for bit
+(`tests/test_int8_weights.py`).
+
+The heads keep the base's activation dtype. `QuantoConfig(weights="int8")` (optimum-quanto) also loads, for eager
+decoding only: its quantized tensors cannot be frozen into a compiled step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import BPDConfigError
+
+INT8_ACTIVATION_DTYPE = torch.bfloat16  # inductor's weight-only int8 templates take bf16 activations
+
+
+@dataclass
+class Int8WeightsConfig:
+    """Int8 weights for the base's linear layers (`quantization_config=` of `BlockwiseParallelForCausalLM.
+    from_pretrained` and `hf_bpd.load_base`): the decoder's linear layers and, with `output_layer`, the output
+    layer (the input embeddings stay bf16 either way). Activations are bf16: load with `dtype=torch.bfloat16`."""
+
+    output_layer: bool = True
+    quant_method: str = "hf_bpd_int8_weights"
+
+
+class Int8WeightLinear(nn.Module):
+    """`nn.Linear` with an int8 weight and one bf16 scale per output row (see the module docstring)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", scale)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8WeightLinear:
+        """The int8 form of `linear` (symmetric per output row)."""
+        with torch.no_grad():
+            weight = linear.weight.detach().float()
+            scale = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+            scale = scale.to(INT8_ACTIVATION_DTYPE)
+            quantized = torch.round(weight / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+            bias = None if linear.bias is None else linear.bias.detach().to(INT8_ACTIVATION_DTYPE)
+        return cls(quantized, scale, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale
+        return y if self.bias is None else y + self.bias
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight the layer computes with, in bf16 (as a plain linear layer would hold it)."""
+        return (self.weight.to(torch.float32) * self.weight_scale.float()[:, None]).to(INT8_ACTIVATION_DTYPE)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_int8_weights(base, config: Int8WeightsConfig | None = None) -> int:
+    """Replace `base`'s decoder linear layers (and its output layer) by `Int8WeightLinear`s, in place; returns how
+    many. The base must be bf16 (one-line `BPDConfigError` otherwise)."""
+    config = config or Int8WeightsConfig()
+    if base.dtype != INT8_ACTIVATION_DTYPE:
+        raise BPDConfigError(f"int8 weights compute with bf16 activations, the base is {base.dtype}: load it with "
+                             "dtype=torch.bfloat16 (CLI: --dtype bf16)")
+    decoder, output = base.get_decoder(), base.get_output_embeddings()
+    swaps = [(module, name, child) for module in decoder.modules() for name, child in module.named_children()
+             if isinstance(child, nn.Linear)]
+    if config.output_layer and isinstance(output, nn.Linear):
+        owner_name = next(name for name, module in base.named_modules() if module is output)
+        parent_name, _, leaf = owner_name.rpartition(".")
+        swaps.append((base.get_submodule(parent_name) if parent_name else base, leaf, output))
+    for module, name, child in swaps:
+        setattr(module, name, Int8WeightLinear.from_linear(child))
+    if config.output_layer and getattr(base.config.get_text_config(), "tie_word_embeddings", False):
+        base.config.get_text_config().tie_word_embeddings = False  # the output layer has its own (int8) weight now
+    base.int8_weights = config
+    return len(swaps)
+
+
+def split_int8_weights(quantization_config):
+    """`(Int8WeightsConfig or None, what goes to transformers' from_pretrained)` for a `quantization_config=`."""
+    if isinstance(quantization_config, Int8WeightsConfig):
+        return quantization_config, None
+    return None, quantization_config
+
+
+def has_int8_weights(base) -> bool:
+    """Whether `quantize_int8_weights` has converted `base`."""
+    return getattr(base, "int8_weights", None) is not None
+
+
+def float_weight(layer: nn.Module) -> torch.Tensor:
+    """`layer.weight` as the floating-point values it computes with (an int8 layer's dequantized)."""
+    return layer.dequantized_weight() if isinstance(layer, Int8WeightLinear) else layer.weight
+
+
+def float_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module.state_dict()` as a module with plain linear layers would hold it: each int8 layer's dequantized
+    weight under `weight`, without its scale (to initialise a bf16 copy of a layer from an int8 base)."""
+    state = module.state_dict()
+    for name, layer in module.named_modules():
+        if isinstance(layer, Int8WeightLinear):
+            prefix = f"{name}." if name else ""
+            state[f"{prefix}weight"] = layer.dequantized_weight()
+            del state[f"{prefix}weight_scale"]
+    return state
