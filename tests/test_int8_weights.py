@@ -63,6 +63,9 @@ def test_quantizing_converts_the_decoder_and_output_layers_and_refuses_fp32():
     assert has_int8_weights(base) and isinstance(base.lm_head, Int8WeightLinear)
     assert base.get_input_embeddings().weight is embeddings and embeddings.dtype == torch.bfloat16  # untouched
     assert not base.config.tie_word_embeddings  # a later tie_weights() must not put bf16 rows into the int8 layer
+    kept = int8_sized_base()
+    assert quantize_int8_weights(kept, Int8WeightsConfig(output_layer=False)) == 2 * 7
+    assert type(kept.lm_head) is nn.Linear and kept.config.tie_word_embeddings
     with pytest.raises(BPDConfigError, match=r"load it with dtype=torch.bfloat16 \(CLI: --dtype bf16\)$"):
         quantize_int8_weights(int8_sized_base().float())
 

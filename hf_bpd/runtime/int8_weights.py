@@ -40,7 +40,6 @@ class Int8WeightsConfig:
     layer (the input embeddings stay bf16 either way). Activations are bf16: load with `dtype=torch.bfloat16`."""
 
     output_layer: bool = True
-    quant_method: str = "hf_bpd_int8_weights"
 
 
 class Int8WeightLinear(nn.Module):
