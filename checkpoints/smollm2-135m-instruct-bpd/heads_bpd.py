@@ -55,7 +55,10 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def heads_placement(base_model) -> dict:
     """Where the heads live: on the device of the base's output layer (the last stage under a `device_map`; the heads
     read its input and share its weights) and in its dtype; fp32 when that layer holds no floating-point weights."""
-    weight = base_model.get_output_embeddings().weight
+    layer = base_model.get_output_embeddings()
+    weight = layer.weight
+    if not weight.is_floating_point() and hasattr(layer, "dequantized_weight"):  # hf_bpd's int8 weights: bf16
+        return {"device": weight.device, "dtype": layer.weight_scale.dtype}
     return {"device": weight.device, "dtype": weight.dtype if weight.is_floating_point() else torch.float32}
 
 
@@ -183,18 +186,22 @@ class DraftHeads(nn.Module):
         self.logit_softcapping = float(softcap) if softcap else None
 
     def _base_projection_weight(self) -> torch.Tensor:
-        weight = self._output_embeddings[0].weight
-        if self.draft_vocab is None:
+        layer = self._output_embeddings[0]
+        weight = layer.weight
+        int8 = not weight.is_floating_point() and hasattr(layer, "dequantized_weight")  # hf_bpd's int8 weights
+        if self.draft_vocab is None and not int8:
             return weight
         if torch.is_grad_enabled() and weight.requires_grad:  # training through the output layer: no caching
             return weight.index_select(0, self.draft_vocab.to(weight.device))
         # Inference: project onto the draft vocabulary once, not once per step (the selected rows are 19 MB for
         # SmolLM2's 8k draft vocabulary); rebuilt if the output layer's weights or the vocabulary change.
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, self.draft_vocab.data_ptr(),
-               self.draft_vocab._version)
+        vocab = self.draft_vocab
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device,
+               *((vocab.data_ptr(), vocab._version) if vocab is not None else ()))
         if self._projection_cache is None or self._projection_cache[0] != key:
-            with torch.no_grad():
-                rows = weight.index_select(0, self.draft_vocab.to(weight.device))
+            with torch.no_grad():  # an int8 layer's rows dequantized (the values the layer computes with)
+                rows = layer.dequantized_weight() if int8 else weight
+                rows = rows if vocab is None else rows.index_select(0, vocab.to(weight.device))
             self._projection_cache = (key, rows)
         return self._projection_cache[1]
 
