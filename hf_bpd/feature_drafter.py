@@ -93,17 +93,19 @@ class FeatureDrafter(nn.Module):
     def output_weight(self) -> torch.Tensor:
         """The output layer's draft-vocabulary rows (gathered once while the output layer's weight is unchanged;
         in training, gathered every time, so its gradient path stays intact)."""
-        weight = self._frozen["output"].weight
-        if not weight.is_floating_point():  # an int8 output layer (`hf_bpd.runtime.int8_weights`): its values
-            weight = float_weight(self._frozen["output"])
-        if self.draft_vocab is None:
+        layer = self._frozen["output"]
+        weight = layer.weight  # int8 for an int8 output layer (`hf_bpd.runtime.int8_weights`): dequantized below
+        if self.draft_vocab is None and weight.is_floating_point():
             return weight
         if self.training or torch.is_grad_enabled():
-            return weight[self.draft_vocab]
-        key = (weight.data_ptr(), weight._version, weight.device, weight.dtype, self.draft_vocab.data_ptr())
+            rows = float_weight(layer)
+            return rows if self.draft_vocab is None else rows[self.draft_vocab]
+        key = (weight.data_ptr(), weight._version, weight.device, weight.dtype,
+               None if self.draft_vocab is None else self.draft_vocab.data_ptr())
         cached = self._frozen.get("rows")
-        if cached is None or cached[0] != key:
-            cached = self._frozen["rows"] = (key, weight[self.draft_vocab])
+        if cached is None or cached[0] != key:  # keyed by the stored weight: an int8 layer is dequantized once
+            rows = float_weight(layer)
+            cached = self._frozen["rows"] = (key, rows if self.draft_vocab is None else rows[self.draft_vocab])
         return cached[1]
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, position_ids: torch.Tensor,
