@@ -11,6 +11,7 @@ from hf_bpd.generation.tree import DraftTree
 from hf_bpd.runtime import compiled as verify_runtime
 from hf_bpd.runtime.int8_weights import Int8WeightLinear, has_int8_weights
 from tests.test_decoding import prompt_ids
+from tests.test_ordered_attention import assert_tree_rows_equal_one_token_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -79,26 +80,7 @@ def test_compiled_int8_steps_use_int8_templates_and_block_rows_equal_one_token_s
     runner = verify_runtime.compiled_runner(base, 64)
     assert runner.ordered
     before = counters["inductor"]["woq_matcher_count"]
-    path = [7, 8, 9]
-    tree = DraftTree([(20, 21), tuple(path), (7, 30)])
-    ids = prompt_ids(3, 11)
-    with runner.lock, torch.no_grad():
-        verifier = verify_runtime.CompiledVerifier(int8_model, runner)
-        verifier.buckets = [1, 8]
-        verifier.prefill(ids)
-        block, _ = verifier.verify(5, tree, "cpu")
-        node, rows = -1, [0]
-        for token in path:
-            node = tree.children[node][token]
-            rows.append(node + 1)
-        verifier.close(10 ** 9)
-        verifier = verify_runtime.CompiledVerifier(int8_model, runner)
-        verifier.prefill(ids)
-        for step, token in enumerate([5] + path):
-            logits, _ = verifier.verify(token, DraftTree([]), "cpu")
-            assert torch.equal(logits[0], block[rows[step]]), step
-            verifier.keep(1, [0])
-        verifier.close(10 ** 9)
+    assert_tree_rows_equal_one_token_steps(int8_model, runner)
     assert counters["inductor"]["woq_matcher_count"] - before >= 2 * 15  # two block lengths, 15 int8 layers each
 
 

@@ -102,17 +102,14 @@ def bf16_model(one_thread):
     torch._dynamo.reset()  # dynamo keeps at most MAX_COMPILED_SHAPES graphs of the step's code: leave room for others
 
 
-def test_compiled_bf16_block_rows_equal_one_token_steps(bf16_model):
-    """The compiled step's logits for a tree block equal, bit for bit, the one-token compiled steps at the same
-    positions (the tree's path decoded plainly)."""
-    base = bf16_model.base_lm
+def assert_tree_rows_equal_one_token_steps(model, runner):
+    """A compiled tree block's logits equal, bit for bit, the one-token compiled steps at the same positions (the
+    tree's path decoded plainly)."""
     ids = prompt_ids(3, 11)
-    runner = verify_runtime.compiled_runner(base, 64)
-    assert runner.ordered
     path = [7, 8, 9]
     tree = DraftTree([(20, 21), tuple(path), (7, 30)])
     with runner.lock, torch.no_grad():
-        verifier = verify_runtime.CompiledVerifier(bf16_model, runner)
+        verifier = verify_runtime.CompiledVerifier(model, runner)
         verifier.buckets = [1, 8]
         verifier.prefill(ids)
         block, _ = verifier.verify(5, tree, "cpu")
@@ -121,13 +118,21 @@ def test_compiled_bf16_block_rows_equal_one_token_steps(bf16_model):
             node = tree.children[node][token]
             rows.append(node + 1)
         verifier.close(10 ** 9)
-        verifier = verify_runtime.CompiledVerifier(bf16_model, runner)
+        verifier = verify_runtime.CompiledVerifier(model, runner)
         verifier.prefill(ids)
         for step, token in enumerate([5] + path):
             logits, _ = verifier.verify(token, DraftTree([]), "cpu")
             assert torch.equal(logits[0], block[rows[step]]), step
             verifier.keep(1, [0])
         verifier.close(10 ** 9)
+
+
+def test_compiled_bf16_block_rows_equal_one_token_steps(bf16_model):
+    """The compiled step's logits for a tree block equal, bit for bit, the one-token compiled steps at the same
+    positions (the tree's path decoded plainly)."""
+    runner = verify_runtime.compiled_runner(bf16_model.base_lm, 64)
+    assert runner.ordered
+    assert_tree_rows_equal_one_token_steps(bf16_model, runner)
 
 
 @pytest.mark.parametrize("options", [{}, {"tree": (2, 2, 1)}, {"num_drafts": 3, "draft_top_k": 2},
