@@ -87,11 +87,11 @@ def test_rows_equal_the_lone_greedy_output(batch_size):
 def test_ragged_acceptance_every_step(arch, monkeypatch):
     """Rows accept 0..all drafted tokens in the same step (a rescorer that knows the answers, corrupted per row and
     step), the cache is cut and compacted, and every row stays exact."""
-    from hf_bpd.generation.batch import RaggedCache
+    from hf_bpd.generation.batch_cache import RaggedCache
 
     compactions, compact = [], RaggedCache.compact
     monkeypatch.setattr(RaggedCache, "compact", lambda self: (compactions.append(1), compact(self)))
-    monkeypatch.setattr("hf_bpd.generation.batch.COMPACT_HOLES", 0.05)  # compact often: every row stays exact
+    monkeypatch.setattr("hf_bpd.generation.batch_cache.COMPACT_HOLES", 0.05)  # compact often: every row stays exact
     model = random_bpd(arch, 0)
     prompts = random_prompts(6, seed=7, longest=30)
     kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=PAD)

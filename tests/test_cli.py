@@ -164,16 +164,29 @@ def test_bench_batch_sizes_compare_batched_bpd_with_batched_plain_decoding(tiny,
     out = tmp_path / "batch.json"
     code = run_main(["bench", "--model", tiny["heads"], "--questions", tiny["questions"], "--limit", "3",
                      "--max-new-tokens", "10", "--batch-size", "1,4", "--threads", "1", "--warmup", "0",
-                     "--no-progress", "--output", str(out)])
+                     "--methods", "ar,bpd", "--no-progress", "--output", str(out)])
     stdout = capsys.readouterr().out
-    assert code == 0 and "| batch size | plain batched generate() tok/s | batched BPD tok/s |" in stdout
+    assert code == 0 and "| batch size | method | tok/s | vs best plain |" in stdout
     report = json.loads(out.read_text())
     assert [r["batch_size"] for r in report["batches"]] == [1, 4]
     for row in report["batches"]:
-        assert row["prompts"] == 3 and row["identical_rows"] == 3
-        assert row["plain_tokens_per_s"] > 0 and row["bpd_tokens_per_s"] > 0 and row["block_efficiency"] >= 1
-    assert report["batches"][1]["forward_passes"] < report["batches"][0]["forward_passes"]  # 1 batch, not 3 rows
+        plain, bpd = row["methods"]["ar"], row["methods"]["bpd"]
+        assert row["prompts"] == 3 and bpd["identical_rows"] == 3 and row["best_plain"] == "ar"
+        assert plain["tokens_per_s"] > 0 and bpd["tokens_per_s"] > 0 and bpd["block_efficiency"] >= 1
+        assert bpd["vs_best_plain"] == pytest.approx(bpd["tokens_per_s"] / plain["tokens_per_s"])
+    passes = [r["methods"]["bpd"]["forward_passes"] for r in report["batches"]]
+    assert passes[1] < passes[0]  # 1 batch, not 3 rows
     assert run_main(["bench", "--model", tiny["heads"], "--batch-size", "0"]) == 2
+    assert run_main(["bench", "--model", tiny["heads"], "--batch-size", "4", "--methods", "ar,fast"]) == 2
+
+    code = run_main(["bench", "--model", tiny["heads"], "--questions", tiny["questions"], "--limit", "3",
+                     "--max-new-tokens", "10", "--batch-size", "4", "--threads", "1", "--warmup", "0",
+                     "--methods", "ar,ar-compiled,bpd-compiled", "--no-progress", "--output", str(out)])
+    assert code == 0
+    row = json.loads(out.read_text())["batches"][0]
+    compiled = {name: row["methods"][name] for name in ("ar-compiled", "bpd-compiled")}
+    assert row["best_plain"] in ("ar", "ar-compiled") and all(m["identical_rows"] == 3 for m in compiled.values())
+    assert all(m["compile_seconds"] > 0 and m["tokens_per_s"] > 0 for m in compiled.values())
 
 
 def test_bench_on_a_plain_base_model(tiny, capsys):

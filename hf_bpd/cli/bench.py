@@ -29,13 +29,16 @@ def cmd_bench(args) -> int:
             raise ValueError(f"--batch-size takes batch sizes from 1 to 64, got {args.batch_size!r}")
         questions = _questions(args)
         _writable_file(args.output)
+        methods = [m.strip() for m in args.methods.split(",")] if args.methods else list(batch_bench.BATCH_METHODS)
+        batch_bench.batch_decoders(None, None, {}, methods)  # unknown names fail before the model is loaded
         model, tokenizer = _setup(args)
         report = batch_bench.run_batch_bench(model, tokenizer, questions, sizes, args.max_new_tokens, args.chat,
-                                       args.warmup, progress=not args.no_progress,
-                                       log=lambda m: print(f"hf-bpd: {m}", file=sys.stderr))
+                                             args.warmup, progress=not args.no_progress,
+                                             log=lambda m: print(f"hf-bpd: {m}", file=sys.stderr), methods=methods)
         dtype = str(model.dtype).removeprefix("torch.")
         report = {"settings": {"model": args.model, "questions": args.questions, "limit": args.limit,
-                               "max_new_tokens": args.max_new_tokens, "batch_sizes": sizes, "dtype": dtype,
+                               "max_new_tokens": args.max_new_tokens, "batch_sizes": sizes, "methods": methods,
+                               "dtype": dtype,
                                "threads": args.threads},
                   "machine": bench.machine_info(), **report}
         print(batch_bench.markdown_batch_report(report), end="")
@@ -190,7 +193,8 @@ def add_parsers(sub, command) -> None:
                             "default-switch, pbest, pbest-ngram, tree, tree+ngram, "
                             "pbest-ngram+lookup[-nodes][-compiled], ar-compiled, and "
                             "bpd[+RESCORER][+lookup][-compiled][-cost|-switch] (ar always runs) "
-                            f"(default: {','.join(BENCH_DEFAULT_METHODS)})")
+                            f"(default: {','.join(BENCH_DEFAULT_METHODS)}); with --batch-size: "
+                            "ar, ar-compiled, bpd, bpd-compiled (default: all four)")
     bench.add_argument("--multi-turn", action="store_true",
                        help="run every MT-bench turn as a conversation (earlier answers: ar's), not only turn 1")
     bench.add_argument("--tree", default="4,2,2,1", metavar="WIDTHS",

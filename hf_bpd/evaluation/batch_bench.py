@@ -1,5 +1,5 @@
-"""`hf-bpd bench --batch-size`: batched drafting against transformers' batched plain greedy `generate()` on the same
-left-padded batches, per batch size."""
+"""`hf-bpd bench --batch-size`: batched drafting (eager and compiled) against batched plain greedy decoding
+(transformers' `generate()` and hf_bpd's compiled plain steps) on the same left-padded batches, per batch size."""
 
 from __future__ import annotations
 
@@ -11,10 +11,6 @@ import torch
 from .bench import _fmt, encode_messages, machine_line
 from .decoders import MethodSkipped, base_of
 
-
-
-
-# ------------------------------------------------------------------ batches
 def left_pad(rows: Sequence[torch.Tensor], pad_id: int, device=None) -> dict:
     """`input_ids` / `attention_mask` of token-id rows, left-padded with `pad_id` (what batched decoding needs)."""
     width = max(len(r) for r in rows)
@@ -34,12 +30,32 @@ def _new_tokens(sequences: torch.Tensor, prompt_width: int, eos_ids: set[int]) -
     return rows
 
 
+BATCH_METHODS = ("ar", "ar-compiled", "bpd", "bpd-compiled")  # what `--batch-size` runs unless `--methods` says
+PLAIN_METHODS = ("ar", "ar-compiled")
+
+
+def batch_decoders(model, base, settings: dict, methods) -> dict:
+    """Batched decoding by name: `ar` transformers' batched plain `generate()`; `ar-compiled` hf_bpd's compiled plain
+    steps (`use_heads=False, compile="wait"`); `bpd` batched drafting verified eagerly (`compile=False`, what
+    `compile=True` runs for batches); `bpd-compiled` batched drafting on the compiled batched step
+    (`compile="wait"`: the shapes a batch meets compile in the call, and their time is taken out of the timing)."""
+    known = {"ar": lambda batch: base.generate(**batch, **settings),
+             "ar-compiled": lambda batch: model.generate(**batch, **settings, use_heads=False, compile="wait"),
+             "bpd": lambda batch: model.generate(**batch, **settings, compile=False),
+             "bpd-compiled": lambda batch: model.generate(**batch, **settings, compile="wait")}
+    unknown = [m for m in methods if m not in known]
+    if unknown or not methods:
+        raise ValueError(f"batch methods are {', '.join(BATCH_METHODS)}, got {', '.join(unknown) or 'none'}")
+    return {m: known[m] for m in methods}
+
+
 def run_batch_bench(model, tokenizer, questions: Sequence[dict], batch_sizes: Sequence[int],
                     max_new_tokens: int = 128, chat: bool | None = None, warmup: int = 1, progress: bool = True,
-                    log=None) -> dict:
-    """Batched drafting against transformers' batched plain greedy `generate()`, both eager, on the same left-padded
-    batches of consecutive prompts, alternating which runs first; per batch size: tokens/s both ways, the ratio, the
-    rows' pooled block efficiency, and how many rows are token-identical to plain batched decoding."""
+                    log=None, methods: Sequence[str] = BATCH_METHODS) -> dict:
+    """Batched decoding methods (`batch_decoders`) on the same left-padded batches of consecutive prompts, in an
+    order that rotates per batch; per batch size and method: tokens/s (compilation taken out), the ratio to the best
+    plain method, the rows' pooled block efficiency and how many rows are token-identical to transformers' batched
+    plain decoding (`ar`, or the first method run)."""
     from tqdm.auto import tqdm
 
     if not hasattr(model, "heads"):
@@ -52,48 +68,67 @@ def run_batch_bench(model, tokenizer, questions: Sequence[dict], batch_sizes: Se
     prompts = [encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], chat)["input_ids"][0]
                for q in questions]
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
-    decoders = {"plain": lambda batch: base.generate(**batch, **settings),
-                "bpd": lambda batch: model.generate(**batch, **settings, compile=False)}
+    decoders = batch_decoders(model, base, settings, list(methods))
+    names = list(decoders)
+    reference = "ar" if "ar" in names else names[0]
     results = []
     for size in batch_sizes:
         batches = [left_pad(prompts[i: i + size], pad_id, model.device) for i in range(0, len(prompts), size)]
         for _ in range(max(warmup, 0)):
             for decode in decoders.values():
                 decode({k: v[:, -64:] for k, v in batches[0].items()})
-        seconds, tokens, exact, rows, row_calls, passes = {"plain": 0.0, "bpd": 0.0}, {"plain": 0, "bpd": 0}, 0, 0, 0, 0
+        seconds, tokens = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
+        exact, calls, passes, compiling = dict.fromkeys(names, 0), dict.fromkeys(names, 0), dict.fromkeys(names, 0), \
+            dict.fromkeys(names, 0.0)
+        rows = 0
         for i, batch in enumerate(tqdm(batches, desc=f"batch {size}", disable=not progress)):
             outputs = {}
-            for name in (["plain", "bpd"] if i % 2 == 0 else ["bpd", "plain"]):
+            for name in names[i % len(names):] + names[: i % len(names)]:
                 start = time.perf_counter()
                 out = decoders[name](batch)
                 seconds[name] += time.perf_counter() - start
                 outputs[name] = _new_tokens(out, batch["input_ids"].shape[1], eos_ids)
                 tokens[name] += sum(len(r) for r in outputs[name])
-                if name == "bpd":
+                if name != "ar":
                     stats = model.last_generation_stats
+                    compiling[name] += stats.compile_seconds or 0.0
                     rows_stats = stats.rows or [stats]
-                    row_calls += sum(r.serial_calls for r in rows_stats)
-                    passes += stats.forward_passes or stats.serial_calls
-            exact += sum(a == b for a, b in zip(outputs["plain"], outputs["bpd"]))
-            rows += len(outputs["plain"])
-        result = {"batch_size": size, "prompts": rows, "plain_tokens_per_s": tokens["plain"] / seconds["plain"],
-                  "bpd_tokens_per_s": tokens["bpd"] / seconds["bpd"],
-                  "block_efficiency": tokens["bpd"] / row_calls if row_calls else None,
-                  "forward_passes": passes, "identical_rows": exact}
-        result["speedup"] = result["bpd_tokens_per_s"] / result["plain_tokens_per_s"]
-        log(f"batch {size}: plain {result['plain_tokens_per_s']:.1f} tok/s, bpd {result['bpd_tokens_per_s']:.1f} "
-            f"tok/s ({result['speedup']:.2f}x), block efficiency {result['block_efficiency']:.2f}, "
-            f"{exact}/{rows} rows identical")
+                    calls[name] += sum(r.serial_calls for r in rows_stats)
+                    passes[name] += stats.forward_passes or stats.serial_calls
+            for name in names:
+                exact[name] += sum(a == b for a, b in zip(outputs[reference], outputs[name]))
+            rows += len(batch["input_ids"])
+        per_method = {}
+        for name in names:
+            timed = seconds[name] - compiling[name]
+            per_method[name] = {"tokens_per_s": tokens[name] / timed, "seconds": timed,
+                                "compile_seconds": compiling[name], "identical_rows": exact[name],
+                                "block_efficiency": tokens[name] / calls[name] if calls[name] else None,
+                                "forward_passes": passes[name] or None}
+        plain = [m for m in names if m in PLAIN_METHODS]
+        best = max(plain, key=lambda m: per_method[m]["tokens_per_s"]) if plain else None
+        for name in names:
+            per_method[name]["vs_best_plain"] = per_method[name]["tokens_per_s"] / \
+                per_method[best]["tokens_per_s"] if best else None
+        result = {"batch_size": size, "prompts": rows, "reference": reference, "best_plain": best,
+                  "methods": per_method}
+        log(f"batch {size}: " + ", ".join(
+            f"{m} {r['tokens_per_s']:.1f} tok/s" + (f" ({r['vs_best_plain']:.2f}x)" if best else "") +
+            (f" BE {r['block_efficiency']:.2f}" if r["block_efficiency"] else "") +
+            f" {r['identical_rows']}/{rows}" for m, r in per_method.items()))
         results.append(result)
     return {"batches": results}
 
 
 def markdown_batch_report(report: dict) -> str:
-    lines = ["| batch size | plain batched generate() tok/s | batched BPD tok/s | speed-up | block efficiency | "
-             "identical rows |", "| ---: | ---: | ---: | ---: | ---: | :---: |"]
+    lines = ["| batch size | method | tok/s | vs best plain | block efficiency | identical rows | compiling (s) |",
+             "| ---: | --- | ---: | ---: | ---: | :---: | ---: |"]
     for r in report["batches"]:
-        lines.append(f"| {r['batch_size']} | {r['plain_tokens_per_s']:.1f} | {r['bpd_tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {_fmt(r['block_efficiency'])} | {r['identical_rows']}/{r['prompts']} |")
+        for name, m in r["methods"].items():
+            ratio = f"{m['vs_best_plain']:.2f}x" if m["vs_best_plain"] is not None else "-"
+            lines.append(f"| {r['batch_size']} | {name} | {m['tokens_per_s']:.1f} | {ratio} | "
+                         f"{_fmt(m['block_efficiency'])} | {m['identical_rows']}/{r['prompts']} | "
+                         f"{m['compile_seconds']:.0f} |")
     if report.get("machine"):
         lines += ["", machine_line(report["machine"])]
     return "\n".join(lines) + "\n"

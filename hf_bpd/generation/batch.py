@@ -32,20 +32,21 @@ way, as it can for transformers' batched decoding (`tests/test_batch.py` allows 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
+import warnings
 
 import torch
 
 from ..errors import BPDConfigError
 from ..kv_cache import CACHE_NAME
+from ..runtime.batched import batched_lock
+from .batch_cache import RaggedCache, StaticRaggedCache
 from .batch_width import BatchWidth, batch_chains, forward_costs, shadow_accepted
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import DecodedSequence
 from .tree import DraftTree, GreedyRows, choose_token, walk, walk_greedy
-
-COMPACT_HOLES = 0.25  # compact the cache when compacting would free this share of its slots
-
 
 class _Row(DecodedSequence):
     """One prompt of the batch: its left-padded context growing as it decodes, its drafter and statistics."""
@@ -55,61 +56,6 @@ class _Row(DecodedSequence):
         super().__init__(prompt[None], criteria, keep_scores, keep_logits, streamer, pad)
         self.index, self.drafter, self.stats = index, drafter, stats
         self.hidden = None
-
-
-class RaggedCache:
-    """The batch's `DynamicCache` plus which slots hold which row's tokens (see the module docstring)."""
-
-    def __init__(self, cache, valid: torch.Tensor):
-        self.cache, self.valid = cache, valid  # valid: (rows, P) bool
-
-    @property
-    def length(self) -> int:
-        return self.valid.shape[1]
-
-    def counts(self) -> torch.Tensor:
-        return self.valid.sum(-1)
-
-    def _layers(self):
-        return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None
-                and layer.keys.numel() > 0]
-
-    def keep_tail(self, block: int, kept: list[list[int]]) -> None:
-        """After a verification of `block` slots per row: keep row r's block slots `kept[r]` (in order), cut the
-        tail to the longest kept list."""
-        width = max(len(k) for k in kept)
-        device = self.valid.device
-        if block == 1:  # plain steps: every row keeps its one new slot where it is
-            self.valid = torch.cat([self.valid, torch.ones(len(kept), 1, dtype=torch.bool, device=device)], dim=1)
-            return
-        index = torch.tensor([k + [0] * (width - len(k)) for k in kept], device=device)
-        for layer in self._layers():
-            past = layer.keys.shape[-2] - block
-            gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1]) + past
-            for name in ("keys", "values"):  # the tail only, in place; the cut is a view (the next append copies)
-                states = getattr(layer, name)
-                states[..., past: past + width, :] = states.gather(2, gather)
-                setattr(layer, name, states[..., : past + width, :])
-        tail = torch.arange(width, device=device)[None] < torch.tensor([len(k) for k in kept], device=device)[:, None]
-        self.valid = torch.cat([self.valid, tail], dim=1)
-        if 1 - int(self.counts().max()) / self.length > COMPACT_HOLES:  # what compacting would free
-            self.compact()
-
-    def compact(self) -> None:
-        """Gather every row's valid slots to the right end (left padding): no holes."""
-        counts = self.counts()
-        width = int(counts.max())
-        order = torch.sort(self.valid.long(), dim=1, stable=True).indices[:, -width:]  # valid slots last, in order
-        for layer in self._layers():
-            gather = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
-        self.valid = torch.arange(width, device=self.valid.device)[None] >= (width - counts)[:, None]
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows `rows` (finished rows leave)."""
-        for layer in self._layers():
-            layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
-        self.valid = self.valid.index_select(0, rows)
 
 
 def _block_masks(trees: list[DraftTree], ragged: RaggedCache, width: int, dtype, layer_types, sliding_window):
@@ -143,13 +89,13 @@ def _block_masks(trees: list[DraftTree], ragged: RaggedCache, width: int, dtype,
 
 
 def _chain_trees(model, active: list[_Row], policy: BatchWidth, shadows: dict, num_heads: int,
-                 generation_config) -> list[DraftTree]:
+                 generation_config, step_rows: int | None = None) -> list[DraftTree]:
     """One step's draft trees at the width `policy` chooses: each row's heads chain cut to it, or no drafts (a plain
     step; shadow drafts are kept for the rows when a probe is due)."""
     width = policy.choose([row.index for row in active],
-                          [generation_config.max_length - row.sequence.shape[1] for row in active])
+                          [generation_config.max_length - row.sequence.shape[1] for row in active], step_rows)
     chains, drafting_ms = None, None
-    if width > 1 or policy.probe_due():
+    if width > 1 or (policy.max_width > 1 and policy.probe_due()):
         start = time.perf_counter()
         chains = batch_chains(model.heads, torch.stack([row.hidden for row in active]), num_heads)
         if chains is None:  # sequential heads: each row's own drafter, its best draft
@@ -167,6 +113,22 @@ def _chain_trees(model, active: list[_Row], policy: BatchWidth, shadows: dict, n
                 shadows[row.index] = (list(chains[r]), len(row.tokens))
         row.stats.draft_probs.append([])
     return trees
+
+
+def _compiled_cache(base, ragged: RaggedCache, needed_length: int) -> StaticRaggedCache | None:
+    """The prompt pass's cache moved onto a compiled batched runner's static cache (`hf_bpd.runtime.batched`), or
+    None (with a one-line warning) when batches of this base cannot run compiled."""
+    from ..runtime.batched import batched_runner, batched_unsupported_reason
+
+    rows = ragged.valid.shape[0]
+    reason = batched_unsupported_reason(base)
+    runner = batched_runner(base, rows, needed_length) if reason is None else None
+    if reason is None and runner is None:
+        reason = f"a static cache of {rows} rows x {needed_length} tokens would be too large"
+    if runner is None:
+        warnings.warn(f"hf_bpd: the batch verifies eagerly ({reason})", stacklevel=5)
+        return None
+    return StaticRaggedCache(runner, ragged.cache, ragged.valid)
 
 
 def decode_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, plan, attention_mask):
@@ -211,75 +173,91 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, **{CACHE_NAME: cache},
                 use_cache=True, return_head_logits=False, logits_to_keep=1)
     ragged = RaggedCache(cache, mask.bool())
-    logits = out.logits[:, -1].float()
-    for r, row in enumerate(rows):
-        processed = logits_processor(row.sequence, logits[r: r + 1].clone())
-        row.stats.accepted_lengths.append(0)
-        row.stats.draft_tokens.append(0)
-        row.hidden = out.last_hidden_state[r, -1]
-        row.accept([choose_token(processed[0], do_sample)], [logits[r: r + 1]], [processed])
-    forward_passes = 1
+    held = contextlib.ExitStack()  # a compiled batch holds its runners' lock until it ends
+    with held:
+        if plan.compile == "wait" and not plan.row_drafts:
+            held.enter_context(batched_lock())
+            needed = generation_config.max_length + getattr(plan.drafter, "num_heads", 0) + 1
+            ragged = _compiled_cache(base, ragged, needed) or ragged
+        stats.verifier = "compiled" if isinstance(ragged, StaticRaggedCache) else "eager"
+        logits = out.logits[:, -1].float()
+        for r, row in enumerate(rows):
+            processed = logits_processor(row.sequence, logits[r: r + 1].clone())
+            row.stats.accepted_lengths.append(0)
+            row.stats.draft_tokens.append(0)
+            row.hidden = out.last_hidden_state[r, -1]
+            row.accept([choose_token(processed[0], do_sample)], [logits[r: r + 1]], [processed])
+        forward_passes = 1
 
-    active = [row for row in rows if not row.stopped]
-    ragged.select(torch.tensor([row.index for row in active], dtype=torch.long, device=device))
-    num_heads = plan.drafter.num_heads
-    policy = None
-    if not plan.row_drafts:
-        policy = BatchWidth(forward_costs(base, len(active) * (num_heads + 1)), num_heads + 1, batch)
-        stats.method = "chain/cost-aware+batch"
-        for row in rows:
-            row.stats.method = stats.method
-    shadows: dict[int, tuple[list[int], int]] = {}  # row -> (shadow draft, tokens decoded when it was drafted)
-    while active:
-        start = time.perf_counter()
-        if policy is None:  # each row's drafter, every draft verified
-            trees = []
-            for row in active:
-                room = generation_config.max_length - row.sequence.shape[1] - 1
-                drafts, probs = row.drafter.drafts(row.hidden, row.tokens, room)
-                row.stats.draft_probs.append(probs)
-                trees.append(DraftTree(drafts))
-        else:
-            trees = _chain_trees(model, active, policy, shadows, num_heads, generation_config)
-        stats.draft_seconds += time.perf_counter() - start
-        width = max(len(t) for t in trees) + 1
-        tokens = torch.zeros(len(active), width, dtype=torch.long, device=device)
-        for r, (row, tree) in enumerate(zip(active, trees)):
-            tokens[r, : len(tree) + 1] = torch.tensor([int(row.sequence[0, -1])] + tree.tokens)
-        forward_start = time.perf_counter()
-        positions, masks = _block_masks(trees, ragged, width, base.dtype, layer_types, sliding_window)
-        out = model(input_ids=tokens, attention_mask=masks, position_ids=positions, **{CACHE_NAME: ragged.cache},
-                    use_cache=True, return_head_logits=False)
-        block_logits, block_hidden = out.logits.float(), out.last_hidden_state
-
-        kept_slots = []
-        for r, (row, tree) in enumerate(zip(active, trees)):
-            if plain_greedy:  # the raw logits decide: the block's greedy choices read in place
-                new, path, position, _ = walk_greedy(tree, GreedyRows(block_logits[r]))
-                step_logits = step_scores = []
+        active = [row for row in rows if not row.stopped]
+        ragged.select(torch.tensor([row.index for row in active], dtype=torch.long, device=device))
+        num_heads = getattr(plan.drafter, "num_heads", 0)  # 0: plain steps (`use_heads=False`)
+        policy = None
+        if not plan.row_drafts:
+            policy = BatchWidth(forward_costs(base, len(active) * (num_heads + 1)), num_heads + 1, batch)
+            if isinstance(ragged, StaticRaggedCache):  # what this runner's compiled steps took when they compiled
+                for w, ms in sorted(ragged.runner.width_ms.items()):
+                    policy.timing(ragged.runner.rows * w, ms)
+            stats.method = "chain/cost-aware+batch" if num_heads else stats.method
+            for row in rows:
+                row.stats.method = stats.method
+        shadows: dict[int, tuple[list[int], int]] = {}  # row -> (shadow draft, tokens decoded when it was drafted)
+        while active:
+            start = time.perf_counter()
+            if policy is None:  # each row's drafter, every draft verified
+                trees = []
+                for row in active:
+                    room = generation_config.max_length - row.sequence.shape[1] - 1
+                    drafts, probs = row.drafter.drafts(row.hidden, row.tokens, room)
+                    row.stats.draft_probs.append(probs)
+                    trees.append(DraftTree(drafts))
             else:
-                new, path, position, step_logits, step_scores = walk(tree, block_logits[r], row.sequence,
-                                                                     logits_processor, do_sample)
-            kept_slots.append([0] + [c + 1 for c in path])
-            row.hidden = block_hidden[r, position]
-            row.stats.accepted_lengths.append(len(path))
-            row.stats.draft_tokens.append(len(tree))
-            row.accept(new, step_logits, step_scores)
+                trees = _chain_trees(model, active, policy, shadows, num_heads, generation_config,
+                                     ragged.runner.rows if isinstance(ragged, StaticRaggedCache) else None)
+            stats.draft_seconds += time.perf_counter() - start
+            width = max(len(t) for t in trees) + 1
+            tokens = torch.zeros(len(active), width, dtype=torch.long, device=device)
+            for r, (row, tree) in enumerate(zip(active, trees)):
+                tokens[r, : len(tree) + 1] = torch.tensor([int(row.sequence[0, -1])] + tree.tokens)
+            forward_start = time.perf_counter()
+            ragged.make_room(width)
+            positions, masks = _block_masks(trees, ragged, width, base.dtype, layer_types, sliding_window)
+            block_logits, block_hidden, compiled = ragged.forward(model, tokens, positions, masks)
+            block_logits = block_logits.float()
+
+            kept_slots = []
+            for r, (row, tree) in enumerate(zip(active, trees)):
+                if plain_greedy:  # the raw logits decide: the block's greedy choices read in place
+                    new, path, position, _ = walk_greedy(tree, GreedyRows(block_logits[r]))
+                    step_logits = step_scores = []
+                else:
+                    new, path, position, step_logits, step_scores = walk(tree, block_logits[r], row.sequence,
+                                                                         logits_processor, do_sample)
+                kept_slots.append([0] + [c + 1 for c in path])
+                row.hidden = block_hidden[r, position]
+                row.stats.accepted_lengths.append(len(path))
+                row.stats.draft_tokens.append(len(tree))
+                row.accept(new, step_logits, step_scores)
+                if policy is not None:
+                    if len(tree):
+                        policy.record(row.index, len(tree), len(path))
+                    shadow = shadows.get(row.index)
+                    if shadow is not None and (len(row.tokens) - shadow[1] >= len(shadow[0]) or row.stopped):
+                        del shadows[row.index]
+                        policy.record(row.index, *shadow_accepted(shadow[0], row.tokens[shadow[1]:]))
+            ragged.keep_tail(width, kept_slots)
             if policy is not None:
-                if len(tree):
-                    policy.record(row.index, len(tree), len(path))
-                shadow = shadows.get(row.index)
-                if shadow is not None and (len(row.tokens) - shadow[1] >= len(shadow[0]) or row.stopped):
-                    del shadows[row.index]
-                    policy.record(row.index, *shadow_accepted(shadow[0], row.tokens[shadow[1]:]))
-        ragged.keep_tail(width, kept_slots)
-        if policy is not None:
-            policy.timing(len(active) * width, 1000 * (time.perf_counter() - forward_start))
-        forward_passes += 1
-        still = [r for r, row in enumerate(active) if not row.stopped]
-        if len(still) < len(active):
-            ragged.select(torch.tensor(still, dtype=torch.long, device=device))
-            active = [active[r] for r in still]
+                step_rows = ragged.runner.rows if isinstance(ragged, StaticRaggedCache) else len(active)
+                if compiled:  # this step compiled its shape: its time is the runner's timing of the step
+                    stats.compile_seconds += ragged.runner.compiled_widths[width]
+                    policy.timing(step_rows * width, ragged.runner.width_ms[width])
+                else:
+                    policy.timing(step_rows * width, 1000 * (time.perf_counter() - forward_start))
+            forward_passes += 1
+            still = [r for r, row in enumerate(active) if not row.stopped]
+            if len(still) < len(active):
+                ragged.select(torch.tensor(still, dtype=torch.long, device=device))
+                active = [active[r] for r in still]
 
     for row in rows:
         row.stats.new_tokens = row.sequence.shape[1] - input_ids.shape[1]

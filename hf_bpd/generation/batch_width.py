@@ -132,9 +132,10 @@ class BatchWidth:
         """Tokens row `row` is expected to gain from a block of `width`."""
         return self.gains(row)[width - 1]
 
-    def choose(self, rows: list[int], remaining: list[int] | None = None) -> int:
+    def choose(self, rows: list[int], remaining: list[int] | None = None, step_rows: int | None = None) -> int:
         """The block width for a step of `rows` (1: a plain step); `remaining[i]` is how many tokens row `rows[i]` may
-        still decode (see `LAGGARDS`). A drafted width is charged the running drafting time (`stepped`)."""
+        still decode (see `LAGGARDS`); `step_rows`: the rows the step computes when more than `rows` (a compiled
+        batch's finished rows ride along). A drafted width is charged the running drafting time (`stepped`)."""
         if self.steps_timed == 0:  # the table is one sequence's: a first plain step measures what a batch costs
             self.hopeless = False
             return 1
@@ -142,13 +143,14 @@ class BatchWidth:
             remaining = [1] * len(rows)
         most = max(remaining)
         laggards = [r for r, left in zip(rows, remaining) if left >= LAGGARDS * most]
-        cost_plain = self.cost(len(rows))
+        computed = step_rows or len(rows)
+        cost_plain = self.cost(computed)
         best, best_value, drafted = 1, 1.0 / cost_plain, 0.0
         pooled = self.pooled()
         least = [min(column) for column in zip(*(self.gains(r, pooled) for r in laggards))]
         for w in range(2, self.max_width + 1):
             gain = least[w - 1]
-            value = gain / (self.cost(len(rows) * w) + self.drafting_ms)
+            value = gain / (self.cost(computed * w) + self.drafting_ms)
             if value > best_value * (1 + MARGIN):
                 best, best_value = w, value
             drafted = max(drafted, value)

@@ -63,7 +63,8 @@ class VerificationStep(nn.Module):
         self.window = sliding_window_of(base)
 
     def forward(self, input_ids, position_ids, cache_position, attention_mask, key_slots=None, key_ranks=None):
-        if self.window is not None:  # a key `window` or more positions behind a query is out of its reach
+        if self.window is not None and not isinstance(attention_mask, dict):  # (a batch passes its own masks)
+            # a key `window` or more positions behind a query is out of its reach
             slots = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
             too_old = slots[None, :] <= position_ids[0, :, None] - self.window
             sliding = attention_mask.masked_fill(too_old, torch.finfo(attention_mask.dtype).min)

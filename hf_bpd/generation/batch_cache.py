@@ -1,0 +1,223 @@
+"""The KV cache of a batch whose rows accept different numbers of tokens per step ("ragged rows on one cache").
+
+Both layouts keep the batch's keys/values in one tensor per layer, `P` slots long, and `valid` (a `(rows, P)` bool
+mask) says which slots hold which row's tokens, in order. A step appends every row's block (its last token and its
+draft tree, padded to the widest block `W` of the step) at slots `P .. P+W-1`. After verification, row `r` keeps its
+root and accepted path: those `k_r` entries move to the front of the block and the cache grows by `K = max_r k_r`;
+row `r` leaves `K - k_r` holes, masked from then on. Compacting gathers each row's valid slots to the right (left
+padding).
+
+* `RaggedCache`: a `DynamicCache` verified by the eager base. The tail past `K` is cut; the cache is compacted when
+  that would free a quarter of it; a row that finishes leaves (its cache row is dropped).
+* `StaticRaggedCache`: the static cache of a compiled batched step (`hf_bpd.runtime.batched`). Every step sees the
+  whole cache (a mask of its `max_cache_len` slots), so holes cost nothing until the cache is full: it is compacted
+  then. Finished rows stay in the step (masked, their results unread) until the rows left fit a runner of a quarter
+  as many rows (`SHRINK`; runners of 1, 4, 16, ... rows): they move there, so the shapes a process compiles (each
+  ~1 min for SmolLM2) stay few and are reused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+COMPACT_HOLES = 0.25  # a dynamic cache is compacted when compacting would free this share of its slots
+SHRINK = 4  # a static cache's rows move to a runner of 1/SHRINK as many rows once they fit it (few shapes to compile)
+
+
+def _states(cache):
+    return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0]
+
+
+def _gather_block(layers, past: int, block: int, kept: list[list[int]], rows: int, device) -> int:
+    """Move row r's kept block slots `kept[r]` (row-relative, in order) to the front of the block at `past`, in place;
+    returns how many slots the longest kept list fills."""
+    width = max((len(k) for k in kept), default=0)
+    index = torch.tensor([k + [0] * (width - len(k)) for k in kept], device=device).reshape(rows, width)
+    for layer in layers:
+        gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1]) + past
+        for name in ("keys", "values"):
+            states = getattr(layer, name)
+            states[..., past: past + width, :] = states[..., : past + block, :].gather(2, gather)
+    return width
+
+
+def _kept_mask(kept: list[list[int]], width: int, device) -> torch.Tensor:
+    lengths = torch.tensor([len(k) for k in kept], device=device)
+    return torch.arange(width, device=device)[None] < lengths[:, None]
+
+
+class RaggedCache:
+    """The batch's `DynamicCache` plus which slots hold which row's tokens (see the module docstring)."""
+
+    def __init__(self, cache, valid: torch.Tensor):
+        self.cache, self.valid = cache, valid  # valid: (rows, P) bool
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[1]
+
+    def counts(self) -> torch.Tensor:
+        return self.valid.sum(-1)
+
+    def make_room(self, width: int) -> None:
+        """A dynamic cache grows as it needs."""
+
+    def forward(self, model, tokens, positions, masks) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The eager base over the block: `(logits, hidden, compiled)` (compiled: False)."""
+        from ..kv_cache import CACHE_NAME
+
+        out = model(input_ids=tokens, attention_mask=masks, position_ids=positions, **{CACHE_NAME: self.cache},
+                    use_cache=True, return_head_logits=False)
+        return out.logits, out.last_hidden_state, False
+
+    def keep_tail(self, block: int, kept: list[list[int]]) -> None:
+        """After a verification of `block` slots per row: keep row r's block slots `kept[r]` (in order), cut the
+        tail to the longest kept list."""
+        device = self.valid.device
+        if block == 1:  # plain steps: every row keeps its one new slot where it is
+            self.valid = torch.cat([self.valid, torch.ones(len(kept), 1, dtype=torch.bool, device=device)], dim=1)
+            return
+        layers = _states(self.cache)
+        past = self.length
+        width = _gather_block(layers, past, block, kept, len(kept), device)
+        for layer in layers:  # the cut is a view (the next append copies)
+            layer.keys, layer.values = layer.keys[..., : past + width, :], layer.values[..., : past + width, :]
+        self.valid = torch.cat([self.valid, _kept_mask(kept, width, device)], dim=1)
+        if 1 - int(self.counts().max()) / self.length > COMPACT_HOLES:  # what compacting would free
+            self.compact()
+
+    def compact(self) -> None:
+        """Gather every row's valid slots to the right end (left padding): no holes."""
+        counts = self.counts()
+        width = int(counts.max())
+        order = torch.sort(self.valid.long(), dim=1, stable=True).indices[:, -width:]  # valid slots last, in order
+        for layer in _states(self.cache):
+            gather = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
+        self.valid = torch.arange(width, device=self.valid.device)[None] >= (width - counts)[:, None]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (finished rows leave)."""
+        for layer in _states(self.cache):
+            layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+        self.valid = self.valid.index_select(0, rows)
+
+
+class StaticRaggedCache:
+    """The static cache of a compiled batched step, as a `RaggedCache` (see the module docstring).
+
+    Args:
+        runner: a `hf_bpd.runtime.batched.BatchedRunner` with at least as many rows as the batch.
+        cache: the prompt pass's `DynamicCache` (`(rows, heads, P, head_dim)` per layer), copied in.
+        valid: `(rows, P)` its valid slots.
+    """
+
+    def __init__(self, runner, cache, valid: torch.Tensor):
+        rows, length = valid.shape
+        self.runner = runner
+        self.rows = torch.arange(rows, device=valid.device)  # each active row's row in the static cache
+        self.all_valid = torch.zeros(runner.rows, length, dtype=torch.bool, device=valid.device)
+        self.all_valid[:rows] = valid
+        with torch.no_grad():
+            for mine, theirs in zip(runner.layers, cache.layers):
+                mine.keys[:rows, :, :length].copy_(theirs.keys)
+                mine.values[:rows, :, :length].copy_(theirs.values)
+        runner.set_length(length)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """`(active rows, P)`."""
+        return self.all_valid.index_select(0, self.rows)
+
+    @property
+    def length(self) -> int:
+        return self.all_valid.shape[1]
+
+    def counts(self) -> torch.Tensor:
+        return self.valid.sum(-1)
+
+    def make_room(self, width: int) -> None:
+        """Compact when a block of `width` would not fit (call before the step's masks are built)."""
+        if self.length + width > self.runner.max_cache_len:
+            self.compact()
+        if self.length + width > self.runner.max_cache_len:
+            raise RuntimeError(f"a block of {width} does not fit the batch's compiled cache")
+
+    def forward(self, model, tokens, positions, masks) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The compiled step over the block (finished rows ride along, masked): `(logits, hidden, compiled)` of the
+        active rows; `compiled`: this call compiled the step's shape."""
+        runner, rows, length = self.runner, self.rows, self.length
+        width, device = tokens.shape[1], tokens.device
+        all_tokens = torch.zeros(runner.rows, width, dtype=tokens.dtype, device=device)
+        all_positions = torch.zeros(runner.rows, width, dtype=positions.dtype, device=device)
+        all_tokens[rows], all_positions[rows] = tokens, positions
+        diagonal = length + torch.arange(width, device=device)
+
+        def pad(mask):  # (rows, 1, W, P + W) -> (runner rows, 1, W, max_cache_len); other rows see themselves
+            full = torch.full((runner.rows, 1, width, runner.max_cache_len), torch.finfo(mask.dtype).min,
+                              dtype=mask.dtype, device=device)
+            full[:, 0, torch.arange(width, device=device), diagonal] = 0.0
+            full[rows, :, :, : length + width] = mask
+            return full
+
+        full_masks = {k: pad(m) for k, m in masks.items()} if isinstance(masks, dict) else pad(masks)
+        with torch.no_grad():
+            logits, hidden, compiled = runner.run(all_tokens, all_positions, full_masks)
+        return logits.index_select(0, rows), hidden.index_select(0, rows), compiled
+
+    def keep_tail(self, block: int, kept: list[list[int]]) -> None:
+        """After a verification of `block` slots per row: keep active row r's block slots `kept[r]` (in order)."""
+        device, past = self.all_valid.device, self.length
+        if block == 1:
+            tail = torch.zeros(self.runner.rows, 1, dtype=torch.bool, device=device)
+            tail[self.rows] = True
+            self.all_valid = torch.cat([self.all_valid, tail], dim=1)
+            self.runner.set_length(past + 1)
+            return
+        every: list[list[int]] = [[] for _ in range(self.runner.rows)]
+        for row, k in zip(self.rows.tolist(), kept):
+            every[row] = k
+        width = _gather_block(self.runner.layers, past, block, every, self.runner.rows, device)
+        self.all_valid = torch.cat([self.all_valid, _kept_mask(every, width, device)], dim=1)
+        self.runner.set_length(past + width)
+
+    def compact(self) -> None:
+        """Gather every row's valid slots to the right end of the used part (left padding): no holes."""
+        counts = self.all_valid.sum(-1)
+        width = int(counts.max())
+        order = torch.sort(self.all_valid.long(), dim=1, stable=True).indices[:, -width:] if width else None
+        with torch.no_grad():
+            for layer in self.runner.layers:
+                if order is None:
+                    break
+                gather = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+                for name in ("keys", "values"):
+                    states = getattr(layer, name)
+                    states[..., :width, :] = states[..., : self.length, :].gather(2, gather)
+        self.all_valid = torch.arange(width, device=counts.device)[None] >= (width - counts)[:, None]
+        self.runner.set_length(width)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only active rows `rows` (finished rows leave); moves to a runner of fewer rows when they fit one."""
+        from ..runtime.batched import batched_runner
+
+        self.rows = self.rows.index_select(0, rows)
+        count = len(self.rows)
+        if count == 0 or count > self.runner.rows // SHRINK:
+            return
+        size = 1
+        while size < count:  # the next power of SHRINK
+            size *= SHRINK
+        smaller = batched_runner(self.runner.base, size, self.runner.max_cache_len)
+        if smaller is None or smaller is self.runner:
+            return
+        length = self.length
+        with torch.no_grad():
+            for mine, theirs in zip(smaller.layers, self.runner.layers):
+                mine.keys[:count, :, :length].copy_(theirs.keys[self.rows, :, :length])
+                mine.values[:count, :, :length].copy_(theirs.values[self.rows, :, :length])
+        valid = torch.zeros(size, length, dtype=torch.bool, device=self.all_valid.device)
+        valid[:count] = self.valid
+        self.all_valid, self.runner = valid, smaller
+        self.rows = torch.arange(count, device=valid.device)
+        smaller.set_length(length)

@@ -1,0 +1,107 @@
+"""Compiled batches (`generate(..., compile="wait")` on several prompts, `hf_bpd.runtime.batched`): every row equals
+the base's own `generate()` for that prompt alone (greedy, token for token up to the near-ties any padded batch
+has, see `tests/test_batch.py`), with rows accepting different lengths in the same step, holes compacted on the
+static cache, finished rows riding along and then moving to a runner of fewer rows; plain compiled batches
+(`use_heads=False`) likewise; the eager fallbacks say why in one line."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from hf_bpd.generation import batch as batch_module
+from hf_bpd.generation.batch_cache import StaticRaggedCache
+from hf_bpd.runtime import batched
+from tests.conftest import VOCAB
+from tests.test_batch import PAD, check_rows, left_padded, random_prompts
+from tests.test_decoding import random_bpd
+
+
+def test_compiled_batch_rows_equal_their_lone_output(monkeypatch):
+    """Flat forced costs make every step draft the widest block; drafts are each row's lone continuation corrupted
+    per row and step; a small cache is compacted mid-decoding; rows stop at their own EOS, ride along, then move."""
+    model = random_bpd("llama", 0)
+    prompts = random_prompts(6, seed=5, longest=20)
+    kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    lone = {r: model.base_lm.generate(p[None], **kwargs)[0, len(p):].tolist() for r, p in enumerate(prompts)}
+    ids, mask = left_padded(prompts)
+    width = ids.shape[1]
+
+    def chains(heads, hidden, num_heads):  # row order = the active rows' order: told by `_chain_trees` below
+        return [list(c) for c in current["chains"]]
+
+    current = {"chains": []}
+    original = batch_module._chain_trees
+
+    def chain_trees(model_, active, policy, shadows, num_heads, generation_config, step_rows=None):
+        step = len(active[0].stats.accepted_lengths)
+        drafts = []
+        for row in active:
+            done = row.sequence.shape[1] - width
+            truth = lone[row.index][done: done + num_heads] + [3] * num_heads
+            wrong = (step * 3 + row.index) % (num_heads + 2)
+            if wrong < num_heads:
+                truth[wrong] = (truth[wrong] + 1) % VOCAB
+            drafts.append(truth[:num_heads])
+        current["chains"] = drafts
+        return original(model_, active, policy, shadows, num_heads, generation_config, step_rows)
+
+    monkeypatch.setattr(batch_module, "batch_chains", chains)
+    monkeypatch.setattr(batch_module, "_chain_trees", chain_trees)
+    monkeypatch.setattr(batch_module, "forward_costs", lambda base, max_tokens: {1: 1e6, 4096: 1e6})
+    monkeypatch.setattr("hf_bpd.generation.batch_width.TIMING_WEIGHT", 0.0)
+    monkeypatch.setattr(batched, "CACHE_BUCKET", 1)  # a cache just as long as the call: holes force compaction
+    compactions, compact = [], StaticRaggedCache.compact
+    monkeypatch.setattr(StaticRaggedCache, "compact", lambda self: (compactions.append(1), compact(self)))
+
+    out = model.generate(ids, attention_mask=mask, compile="wait", **kwargs)
+    assert check_rows(model, prompts, out, width, kwargs) == 0
+    stats = model.last_generation_stats
+    assert stats.verifier == "compiled" and stats.method == "chain/cost-aware+batch"
+    per_step = list(zip(*[row.accepted_lengths[2:] for row in stats.rows]))
+    assert any(len(set(step)) > 2 for step in per_step)  # ragged: rows accepted different lengths together
+    assert all(row.block_efficiency > 1.5 for row in stats.rows)
+    assert compactions, batched._RUNNERS[model.base_lm].keys()
+
+    # rows stop at their own EOS: finished rows ride along, then the rest move to a runner of fewer rows
+    stops = {t: sum(t in lone[r][:30] for r in range(6)) for t in range(3, VOCAB)}
+    eos = max(stops, key=stops.get)
+    kwargs_eos = dict(kwargs, eos_token_id=eos)
+    monkeypatch.setattr("hf_bpd.generation.batch_cache.SHRINK", 2)  # runners of 6, then 4 (powers of 2) rows
+    out = model.generate(ids, attention_mask=mask, compile="wait", **kwargs_eos)
+    assert check_rows(model, prompts, out, width, kwargs_eos) == 0
+    assert stops[eos] >= 3  # at most 3 rows left: they fit 4 rows
+    assert {rows for rows, _ in batched._RUNNERS[model.base_lm]} >= {6, 4}
+
+
+def test_plain_compiled_batches_and_eager_fallbacks():
+    """`use_heads=False, compile="wait"`: one-token compiled steps for every row; `compile=True` keeps batches eager
+    (it never compiles for minutes in a call); half-precision batches verify eagerly with a one-line warning."""
+    model = random_bpd("qwen2", 1)
+    prompts = random_prompts(5, seed=9, longest=16)
+    ids, mask = left_padded(prompts)
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    out = model.generate(ids, attention_mask=mask, use_heads=False, compile="wait", **kwargs)
+    assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
+    stats = model.last_generation_stats
+    assert stats.verifier == "compiled" and stats.forward_passes == 12 and sum(stats.draft_tokens) == 0
+
+    model.generate(ids, attention_mask=mask, compile=True, **kwargs)
+    assert model.last_generation_stats.verifier == "eager"
+
+    half = copy.deepcopy(random_bpd("llama", 2)).to(torch.bfloat16)  # random_bpd's models are shared
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        half.generate(ids, attention_mask=mask, compile="wait", **kwargs)
+    assert half.last_generation_stats.verifier == "eager"
+    assert any("half-precision batches verify eagerly" in str(w.message) for w in caught)
+
+
+def test_the_static_cache_is_bounded():
+    """A batch whose static cache would pass `MAX_CACHE_BYTES` gets no runner (it verifies eagerly)."""
+    model = random_bpd("llama", 3)
+    per_row_slot = batched.cache_bytes(model.base_lm, 1, 1)
+    assert batched.cache_bytes(model.base_lm, 4, 512) == 4 * 512 * per_row_slot
+    rows = batched.MAX_CACHE_BYTES // (per_row_slot * 4096) + 1
+    assert batched.batched_runner(model.base_lm, rows, 4096) is None
