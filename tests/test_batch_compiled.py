@@ -18,19 +18,11 @@ from tests.test_batch import PAD, check_rows, left_padded, random_prompts
 from tests.test_decoding import random_bpd
 
 
-def test_compiled_batch_rows_equal_their_lone_output(monkeypatch):
-    """Flat forced costs make every step draft the widest block; drafts are each row's lone continuation corrupted
-    per row and step; a small cache is compacted mid-decoding; rows stop at their own EOS, ride along, then move."""
-    model = random_bpd("llama", 0)
-    prompts = random_prompts(6, seed=5, longest=20)
-    kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+def reference_drafts(monkeypatch, model, prompts, width, kwargs) -> dict:
+    """Flat forced costs (every step drafts the widest block) and `batch_chains` drafting each row's lone greedy
+    continuation, corrupted at a depth that depends on the row and step, so rows accept 0..all drafted tokens in the
+    same step (a random tiny model's heads accept little). Returns the lone continuations."""
     lone = {r: model.base_lm.generate(p[None], **kwargs)[0, len(p):].tolist() for r, p in enumerate(prompts)}
-    ids, mask = left_padded(prompts)
-    width = ids.shape[1]
-
-    def chains(heads, hidden, num_heads):  # row order = the active rows' order: told by `_chain_trees` below
-        return [list(c) for c in current["chains"]]
-
     current = {"chains": []}
     original = batch_module._chain_trees
 
@@ -47,10 +39,22 @@ def test_compiled_batch_rows_equal_their_lone_output(monkeypatch):
         current["chains"] = drafts
         return original(model_, active, policy, shadows, num_heads, generation_config, step_rows)
 
-    monkeypatch.setattr(batch_module, "batch_chains", chains)
+    monkeypatch.setattr(batch_module, "batch_chains", lambda heads, hidden, n: [list(c) for c in current["chains"]])
     monkeypatch.setattr(batch_module, "_chain_trees", chain_trees)
     monkeypatch.setattr(batch_module, "forward_costs", lambda base, max_tokens: {1: 1e6, 4096: 1e6})
     monkeypatch.setattr("hf_bpd.generation.batch_width.TIMING_WEIGHT", 0.0)
+    return lone
+
+
+def test_compiled_batch_rows_equal_their_lone_output(monkeypatch):
+    """Every step drafts (forced costs) the rows' corrupted lone continuations; a small cache is compacted
+    mid-decoding; rows stop at their own EOS, ride along, then move to a runner of fewer rows."""
+    model = random_bpd("llama", 0)
+    prompts = random_prompts(6, seed=5, longest=20)
+    kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    ids, mask = left_padded(prompts)
+    width = ids.shape[1]
+    lone = reference_drafts(monkeypatch, model, prompts, width, kwargs)
     monkeypatch.setattr(batched, "CACHE_BUCKET", 1)  # a cache just as long as the call: holes force compaction
     compactions, compact = [], StaticRaggedCache.compact
     monkeypatch.setattr(StaticRaggedCache, "compact", lambda self: (compactions.append(1), compact(self)))
@@ -73,6 +77,25 @@ def test_compiled_batch_rows_equal_their_lone_output(monkeypatch):
     assert check_rows(model, prompts, out, width, kwargs_eos) == 0
     assert stops[eos] >= 3  # at most 3 rows left: they fit 4 rows
     assert {rows for rows, _ in batched._RUNNERS[model.base_lm]} >= {6, 4}
+
+
+def test_shapes_past_the_memory_bound_run_eagerly_on_the_same_cache(monkeypatch):
+    """Each compiled shape holds a packed copy of the weights: past `MAX_GRAPH_BYTES` (here: 2 shapes) a new block
+    width runs the step eagerly on the static cache, and the rows stay exact."""
+    model = random_bpd("gemma3", 1)  # sliding-window layers: the batch's own masks per layer type
+    prompts = random_prompts(3, seed=8, longest=12)
+    kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    ids, mask = left_padded(prompts)
+    reference_drafts(monkeypatch, model, prompts, ids.shape[1], kwargs)
+    monkeypatch.setattr(batched, "MAX_GRAPH_BYTES", 1)
+    assert batched.max_graphs(model.base_lm) == 2  # the floor: a plain and a drafted width
+    monkeypatch.setattr(batched, "max_graphs", lambda base: 1)
+    widths, run = [], batched.BatchedRunner.run
+    monkeypatch.setattr(batched.BatchedRunner, "run",
+                        lambda self, tokens, *rest: (widths.append(tokens.shape[1]), run(self, tokens, *rest))[1])
+    out = model.generate(ids, attention_mask=mask, compile="wait", **kwargs)
+    assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
+    assert batched.compiled_graphs(model.base_lm) == 1 and len(set(widths)) >= 2
 
 
 def test_plain_compiled_batches_and_eager_fallbacks():

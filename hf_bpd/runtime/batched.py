@@ -11,6 +11,8 @@ compiled against ~110 ms eagerly; 16 rows x 2 tokens 102 ms; 4 rows x 4 tokens 5
 16-row step is attention over the 512 slots of each row (PyTorch's flash-attention CPU kernel, ~0.86 ms per layer).
 Each shape compiles in ~65-95 s, so a call compiles only the shapes it meets (`compile="wait"`), and the graphs are
 kept for every later call of the process; `compile=True` (which never blocks for minutes) verifies batches eagerly.
+Each compiled graph holds its own packed copy of the weights (inductor's freezing), so a base's batched shapes share
+`MAX_GRAPH_BYTES` of them; once that is spent, a new shape runs the same step eagerly on the same cache.
 
 Half-precision bases are not served (their batched rows do not round as a lone sequence's anyway; they verify
 eagerly), nor caches over `MAX_CACHE_BYTES` (long prompts in a wide batch).
@@ -30,7 +32,20 @@ from .compiled import CACHE_BUCKET, MAX_COMPILED_SHAPES, _Patches
 from .step import VerificationStep, compile_unsupported_reason, verification_cache
 
 MAX_CACHE_BYTES = 2 << 30  # a batch's static cache larger than this verifies eagerly
+MAX_GRAPH_BYTES = 4 << 30  # the packed weights of a base's compiled batched shapes (beyond: eager steps, same cache)
 TIMED_CALLS = 3  # calls timed after a shape compiles (their median: `width_ms`)
+
+
+def max_graphs(base) -> int:
+    """How many batched shapes one base may compile: each frozen graph holds its own packed copy of the weights
+    (SmolLM2 fp32: ~540 MB), so they share `MAX_GRAPH_BYTES` (at least 2: a plain and a drafted width)."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    return max(2, MAX_GRAPH_BYTES // max(weight_bytes, 1))
+
+
+def compiled_graphs(base) -> int:
+    """The batched shapes `base` has compiled in this process."""
+    return sum(len(runner.compiled_widths) for runner in _RUNNERS.get(base, {}).values())
 
 
 def batched_unsupported_reason(base) -> str | None:
@@ -91,6 +106,9 @@ class BatchedRunner:
         with grouped_query_attention(self.base, self.grouped):
             if width in self.compiled_widths:
                 logits, hidden = self._compiled(tokens, positions, slots, mask)
+                return logits, hidden, False
+            if compiled_graphs(self.base) >= max_graphs(self.base):  # the memory bound: this shape runs eagerly
+                logits, hidden = self.step(tokens, positions, slots, mask)
                 return logits, hidden, False
             start = time.perf_counter()
             with _Patches():
