@@ -7,7 +7,6 @@ static cache, finished rows riding along and then moving to a runner of fewer ro
 import copy
 import warnings
 
-import pytest
 import torch
 
 from hf_bpd.generation import batch as batch_module
@@ -96,6 +95,26 @@ def test_shapes_past_the_memory_bound_run_eagerly_on_the_same_cache(monkeypatch)
     out = model.generate(ids, attention_mask=mask, compile="wait", **kwargs)
     assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
     assert batched.compiled_graphs(model.base_lm) == 1 and len(set(widths)) >= 2
+
+
+def test_a_failing_compiler_falls_back_to_eager_steps_on_the_same_cache(monkeypatch):
+    """A compiler that fails in a batch: one warning, the step runs eagerly on the static cache, rows stay exact."""
+    model = random_bpd("gpt2", 2)
+    prompts = random_prompts(3, seed=4, longest=10)
+    kwargs = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    ids, mask = left_padded(prompts)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(batched.torch, "compile", lambda module, **kw: broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model.generate(ids, attention_mask=mask, compile="wait", **kwargs)
+    assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
+    assert sum("compiling the batched step failed (RuntimeError: no C++ compiler)" in str(w.message)
+               for w in caught) == 1
+    assert batched.compiled_graphs(model.base_lm) == 0
 
 
 def test_plain_compiled_batches_and_eager_fallbacks():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 import weakref
 
 import torch
@@ -77,6 +78,7 @@ class BatchedRunner:
         self.step = VerificationStep(base, self.cache).eval()
         self.grouped = uses_grouped_attention(base)
         self._compiled = None
+        self.failed = False  # compiling failed once: every step of this runner runs eagerly
         self.compiled_widths: dict[int, float] = {}  # width -> seconds its first call took (compilation)
         self.width_ms: dict[int, float] = {}  # width -> ms of the step, timed after compiling
         with torch.no_grad(), grouped_query_attention(base, self.grouped):  # allocate the cache now, eagerly
@@ -107,12 +109,21 @@ class BatchedRunner:
             if width in self.compiled_widths:
                 logits, hidden = self._compiled(tokens, positions, slots, mask)
                 return logits, hidden, False
-            if compiled_graphs(self.base) >= max_graphs(self.base):  # the memory bound: this shape runs eagerly
+            if self.failed or compiled_graphs(self.base) >= max_graphs(self.base):  # the memory bound, or no compiler
                 logits, hidden = self.step(tokens, positions, slots, mask)
                 return logits, hidden, False
             start = time.perf_counter()
-            with _Patches():
-                logits, hidden = self._compiled(tokens, positions, slots, mask)
+            try:
+                with _Patches():
+                    logits, hidden = self._compiled(tokens, positions, slots, mask)
+            except Exception as err:  # noqa: BLE001 - a failing compiler must not break generation
+                warnings.warn(f"hf_bpd: compiling the batched step failed ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0][:200] if str(err) else ''}); its steps run eagerly",
+                              stacklevel=2)
+                self.failed = True
+                self.set_length(past)
+                logits, hidden = self.step(tokens, positions, slots, mask)
+                return logits, hidden, False
             times = []
             for _ in range(TIMED_CALLS):  # the step's own cost, for the batch's width choice (writes where it wrote)
                 self.set_length(past)
