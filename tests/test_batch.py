@@ -268,6 +268,31 @@ def test_the_width_follows_costs_and_acceptance():
     assert shadow_accepted([4, 5, 6], [4, 5, 9, 9]) == (3, 2) and shadow_accepted([4, 5, 6], [4]) == (1, 1)
 
 
+def test_drafted_steps_that_deliver_less_than_plain_ones_raise_the_bar():
+    """The realized guard: a width the estimates favour by ~10 % is taken until this call's drafted steps have
+    delivered fewer tokens per ms than its plain steps; a clear win (over `GUARD_MARGIN`) still drafts."""
+    from hf_bpd.generation.batch_width import GUARD_STEPS, BatchWidth
+
+    def policy(cost_two):
+        p = BatchWidth({1: 10.0, 2: cost_two, 4096: 1e6}, 2, 1)
+        p.timing(1, 10.0)
+        for _ in range(20):
+            p.record(0, 1, 1)  # every draft accepted: a width of 2 gains ~2 tokens
+        return p
+
+    p = policy(18.0)  # 2 tokens per 18 ms against 1 per 10 ms: ~11 % better
+    assert p.choose([0]) == 2 and not p.losing()
+    for _ in range(GUARD_STEPS):
+        p.stepped(1, None)
+        p.delivered(1, 1.0, 10.0)
+        p.stepped(2, 0.0)
+        p.delivered(2, 1.5, 18.0)  # what the drafted steps really gave: 1.5 tokens (the estimate: ~2)
+    assert p.losing() and p.choose([0]) == 1
+    clear = policy(12.0)  # ~67 % better: drafts even while losing
+    clear.realized = p.realized
+    assert clear.losing() and clear.choose([0]) == 2
+
+
 @pytest.mark.parametrize("costs, drafting", [({1: 1e6, 4096: 1e6}, True), ({1: 10.0, 4096: 40960.0}, False)],
                          ids=["flat-costs-draft", "steep-costs-plain"])
 def test_the_switch_turns_drafting_on_and_off_and_rows_stay_exact(costs, drafting, monkeypatch):

@@ -1,26 +1,20 @@
 """Drafting for a batch of prompts in one `generate()` call: every row drafts, is verified and accepts on its own.
 
 Rows accept different numbers of tokens per step, so the batch's rows cannot stay aligned the way plain batched
-decoding keeps them. The layout here ("ragged rows on one cache"):
-
-* The batch shares one `DynamicCache` of physical length `P`. Row `r`'s tokens occupy some of its slots, in order;
-  `valid[r]` (a `(rows, P)` bool mask) says which. Each row's positions count only its own tokens, so rotary
-  embeddings see every row as if it were alone.
-* A step appends every row's block (its last token and its draft tree, padded to the widest block `Q` of the step)
-  at slots `P .. P+Q-1`, with a 4D mask per row: its valid slots, its tree's ancestors, nothing of the padding.
-* After verification, row `r` keeps its root and accepted path: those `k_r` entries move to the front of the new
-  tail and the tail is cut to `K = max_r k_r`; row `r` leaves `K - k_r` holes (masked from then on). When compacting
-  would free more than a quarter of the cache (the fullest row's count against the cache's length), it is compacted:
-  each row's valid slots gathered to the right (left padding).
-* A row that meets a stopping criterion leaves the batch: its cache row is dropped, so finished rows cost nothing.
+decoding keeps them: they share one cache in which each row's tokens occupy some slots, in order, with holes where
+it kept fewer tokens than another row (`hf_bpd.generation.batch_cache`). Each row's positions count only its own
+tokens, so rotary embeddings see every row as if it were alone, and a step's 4D mask per row opens its valid slots
+and its tree's ancestors. The prompt pass runs eagerly over the left-padded batch. The steps run the eager base on a
+`DynamicCache` (finished rows leave it), or, with `compile="wait"` on an fp32 base, a compiled batched step on a
+static cache (`hf_bpd.runtime.batched`; finished rows ride along until the rest fit a smaller runner).
 
 Drafts: every row's chain of the heads' argmax tokens, from one batched heads call (`batch_width.batch_chains`); the
 checkpoint's single-prompt drafting settings (rescorers, p-best, trees, prompt lookup, node budgets,
 `draft_schedule`) do not apply to batches, and given in the call they make each row draft as they say, every drafted
 token verified (`DecodingPlan.row_drafts`). How many of its drafted tokens each row verifies is decided per step by
 `batch_width.BatchWidth` from the machine's forward costs and the rows' running acceptance: a block only as wide as
-pays, and plain one-token steps (nothing drafted) when drafting does not pay. Verification is eager (compiled
-verification runs one sequence). Streaming: one streamer per row (`streamer=[...]`), each fed its row's prompt and
+pays, and plain one-token steps (nothing drafted) when drafting does not pay; compiled, the widths are charged the
+compiled steps' own timings. Streaming: one streamer per row (`streamer=[...]`), each fed its row's prompt and
 accepted tokens and ended when the row stops.
 
 Each row is decoded exactly as transformers' batched plain `generate()` decodes it: logits processors and stopping
@@ -47,6 +41,7 @@ from .batch_width import BatchWidth, batch_chains, forward_costs, shadow_accepte
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import DecodedSequence
 from .tree import DraftTree, GreedyRows, choose_token, walk, walk_greedy
+
 
 class _Row(DecodedSequence):
     """One prompt of the batch: its left-padded context growing as it decodes, its drafter and statistics."""
@@ -225,7 +220,7 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
             block_logits, block_hidden, compiled = ragged.forward(model, tokens, positions, masks)
             block_logits = block_logits.float()
 
-            kept_slots = []
+            kept_slots, gained = [], 0
             for r, (row, tree) in enumerate(zip(active, trees)):
                 if plain_greedy:  # the raw logits decide: the block's greedy choices read in place
                     new, path, position, _ = walk_greedy(tree, GreedyRows(block_logits[r]))
@@ -236,6 +231,7 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
                 kept_slots.append([0] + [c + 1 for c in path])
                 row.hidden = block_hidden[r, position]
                 row.stats.accepted_lengths.append(len(path))
+                gained += len(new)
                 row.stats.draft_tokens.append(len(tree))
                 row.accept(new, step_logits, step_scores)
                 if policy is not None:
@@ -250,9 +246,11 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
                 step_rows = ragged.runner.rows if isinstance(ragged, StaticRaggedCache) else len(active)
                 if compiled:  # this step compiled its shape: its time is the runner's timing of the step
                     stats.compile_seconds += ragged.runner.compiled_widths[width]
-                    policy.timing(step_rows * width, ragged.runner.width_ms[width])
+                    step_ms = ragged.runner.width_ms[width]
                 else:
-                    policy.timing(step_rows * width, 1000 * (time.perf_counter() - forward_start))
+                    step_ms = 1000 * (time.perf_counter() - forward_start)
+                policy.timing(step_rows * width, step_ms)
+                policy.delivered(width, gained / len(active), step_ms)
             forward_passes += 1
             still = [r for r, row in enumerate(active) if not row.stopped]
             if len(still) < len(active):

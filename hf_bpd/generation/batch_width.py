@@ -12,6 +12,11 @@ tokens (SmolLM2, eager, AMD EPYC: ~110 ms for a batch of 16 one-token rows, ~160
 16 rows verifying 8 tokens each lost to plain batched decoding; the switch verifies the depths that pay, and none
 when none do.
 
+The estimates can err where the realized steps do not: each step's tokens per row per millisecond (its drafting,
+or a plain step's shadow drafts, included) go into two decaying rates, plain and drafted steps (`delivered`). While
+the drafted steps deliver less than the plain ones (`losing`, after `GUARD_STEPS` of each), a wider block must beat
+plain by `GUARD_MARGIN` instead of `MARGIN`.
+
 The rates: each row counts, per depth, the draft tokens it had verified (`tries`) and accepted (`hits`), shrunk
 towards the batch's pooled rate at that depth (`PRIOR` pseudo-observations; the batch's own towards `START_RATE`).
 While plain steps run nothing is verified, so every `PROBE_EVERY`-th plain step (every `4 * PROBE_EVERY`-th while no
@@ -38,6 +43,9 @@ HOPELESS = 0.85  # "far from paying": the best drafted width's tokens per ms und
 MARGIN = 0.05  # a wider block must beat the best narrower one by this share (estimates err; plain is safe)
 LAGGARDS = 0.8  # rows with at least this share of the most tokens left set the batch's pace
 TIMING_WEIGHT = 0.3  # weight of a step's own timing in the running cost of its token count (0: the table only)
+GUARD_STEPS = 4  # steps of each kind (plain, drafted) before their realized rates are compared
+GUARD_MARGIN = 0.25  # the margin a wider block must clear while drafted steps deliver less than plain ones
+REALIZED_DECAY = 0.9  # weight of the earlier steps in the realized rates
 COST_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # forwards measured for the table (interpolated between)
 
 
@@ -76,6 +84,8 @@ class BatchWidth:
         self.plain_steps = 0  # plain steps since the last drafted or probed one
         self.drafting_ms = 0.0  # running cost of drafting every row once
         self.hopeless = False  # whether the last choice found every drafted width far from paying
+        self.last_drafting_ms = 0.0  # what the last step's drafting took (0: none)
+        self.realized = [[0.0, 0.0, 0], [0.0, 0.0, 0]]  # plain, drafted steps: decaying tokens, ms; steps
 
     def cost(self, n: int) -> float:
         """ms of a step over `n` tokens: this call's timing of `n` when there is one, else the table's (scaled)."""
@@ -148,14 +158,32 @@ class BatchWidth:
         best, best_value, drafted = 1, 1.0 / cost_plain, 0.0
         pooled = self.pooled()
         least = [min(column) for column in zip(*(self.gains(r, pooled) for r in laggards))]
+        # drafted steps that delivered fewer tokens per ms than plain ones in this call: only a clear win drafts
+        margin = GUARD_MARGIN if self.losing() else MARGIN
         for w in range(2, self.max_width + 1):
             gain = least[w - 1]
             value = gain / (self.cost(computed * w) + self.drafting_ms)
-            if value > best_value * (1 + MARGIN):
+            if value > best_value * (1 + margin):
                 best, best_value = w, value
             drafted = max(drafted, value)
         self.hopeless = drafted * cost_plain < HOPELESS  # no width came close: probe less often
         return best
+
+    def delivered(self, width: int, tokens: float, ms: float) -> None:
+        """A step of `width` gave the rows `tokens` new tokens each on average in `ms`, drafting included (a plain
+        step's shadow drafts too): the realized rates `losing` compares."""
+        kind = 1 if width > 1 else 0
+        ms += self.last_drafting_ms
+        rate = self.realized[kind]
+        rate[0], rate[1], rate[2] = REALIZED_DECAY * rate[0] + tokens, REALIZED_DECAY * rate[1] + ms, rate[2] + 1
+
+    def losing(self) -> bool:
+        """Whether this call's drafted steps delivered fewer tokens per ms than its plain steps (each rate a decaying
+        sum over its steps; at least `GUARD_STEPS` of each)."""
+        (plain_tokens, plain_ms, plain_n), (tokens, ms, n) = self.realized
+        if plain_n < GUARD_STEPS or n < GUARD_STEPS:
+            return False
+        return tokens / ms < plain_tokens / plain_ms
 
     def probe_due(self) -> bool:
         """Whether this plain step should draft anyway (shadow drafts, see the module docstring)."""
@@ -164,6 +192,7 @@ class BatchWidth:
     def stepped(self, width: int, drafting_ms: float | None) -> None:
         """A step of `width` ran; `drafting_ms`: what drafting its rows took (for verification or as shadow drafts),
         None when they did not draft."""
+        self.last_drafting_ms = drafting_ms or 0.0
         if drafting_ms is not None:
             self.drafting_ms = drafting_ms if self.drafting_ms == 0.0 else 0.7 * self.drafting_ms + 0.3 * drafting_ms
         self.plain_steps = 0 if width > 1 or drafting_ms is not None else self.plain_steps + 1

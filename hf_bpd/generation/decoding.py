@@ -256,7 +256,7 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
     if isinstance(plan.drafter, FeatureChainDrafter) and input_ids.shape[0] > 1:
         raise BPDConfigError(f"drafter='feature' decodes one prompt at a time, got {input_ids.shape[0]}: pass one "
                              "prompt per call, or drafter='heads' for batches")
-    if input_ids.shape[0] > 1:  # a batch of prompts: ragged rows on one cache, verified eagerly
+    if input_ids.shape[0] > 1:  # a batch of prompts: ragged rows on one cache (`hf_bpd.generation.batch`)
         plan.stats.method += "+batch"
         return decode_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, plan,
                             model_kwargs.get("attention_mask"))
