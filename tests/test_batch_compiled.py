@@ -140,10 +140,14 @@ def test_plain_compiled_batches_and_eager_fallbacks():
     assert any("half-precision batches verify eagerly" in str(w.message) for w in caught)
 
 
-def test_the_static_cache_is_bounded():
-    """A batch whose static cache would pass `MAX_CACHE_BYTES` gets no runner (it verifies eagerly)."""
+def test_the_static_cache_is_bounded(monkeypatch):
+    """Runners whose static caches would pass `MAX_CACHE_BYTES` together are not made (the batch verifies eagerly)."""
     model = random_bpd("llama", 3)
+    monkeypatch.setattr(batched, "MAX_CACHE_BYTES", 64 << 20)
     per_row_slot = batched.cache_bytes(model.base_lm, 1, 1)
     assert batched.cache_bytes(model.base_lm, 4, 512) == 4 * 512 * per_row_slot
     rows = batched.MAX_CACHE_BYTES // (per_row_slot * 4096) + 1
     assert batched.batched_runner(model.base_lm, rows, 4096) is None
+    half = batched.batched_runner(model.base_lm, rows // 2, 4096)  # fits alone; a second one would not
+    assert half is not None and batched.batched_runner(model.base_lm, rows // 2 + 1, 4096) is None
+    assert batched.batched_runner(model.base_lm, rows // 2, 4000) is half  # an existing runner is reused

@@ -32,7 +32,7 @@ from .attention import grouped_query_attention, uses_grouped_attention
 from .compiled import CACHE_BUCKET, MAX_COMPILED_SHAPES, _Patches
 from .step import VerificationStep, compile_unsupported_reason, verification_cache
 
-MAX_CACHE_BYTES = 2 << 30  # a batch's static cache larger than this verifies eagerly
+MAX_CACHE_BYTES = 2 << 30  # the static caches of a base's batched runners, together (a batch past it: eager)
 MAX_GRAPH_BYTES = 4 << 30  # the packed weights of a base's compiled batched shapes (beyond: eager steps, same cache)
 TIMED_CALLS = 3  # calls timed after a shape compiles (their median: `width_ms`)
 
@@ -147,13 +147,15 @@ def batched_lock() -> threading.RLock:
 
 def batched_runner(base, rows: int, needed_length: int) -> BatchedRunner | None:
     """The runner of `base` for `rows` rows whose cache holds `needed_length` tokens (the smallest existing one,
-    else a new one rounded up to `CACHE_BUCKET` slots); None when that cache would exceed `MAX_CACHE_BYTES`."""
+    else a new one rounded up to `CACHE_BUCKET` slots); None when the base's runners' caches would then pass
+    `MAX_CACHE_BYTES` together (runners are kept for the process)."""
     runners = _RUNNERS.setdefault(base, {})
     fitting = [size for r, size in runners if r == rows and size >= needed_length]
     if fitting:
         return runners[rows, min(fitting)]
     size = -(-needed_length // CACHE_BUCKET) * CACHE_BUCKET
-    if cache_bytes(base, rows, size) > MAX_CACHE_BYTES or len(runners) >= MAX_COMPILED_SHAPES:
+    held = sum(cache_bytes(base, r, n) for r, n in runners)  # the static caches this base's runners keep
+    if held + cache_bytes(base, rows, size) > MAX_CACHE_BYTES or len(runners) >= MAX_COMPILED_SHAPES:
         return None
     runner = runners[rows, size] = BatchedRunner(base, rows, size)
     return runner
