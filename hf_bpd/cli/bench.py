@@ -30,7 +30,7 @@ def cmd_bench(args) -> int:
         questions = _questions(args)
         _writable_file(args.output)
         methods = [m.strip() for m in args.methods.split(",")] if args.methods else list(batch_bench.BATCH_METHODS)
-        batch_bench.batch_decoders(None, None, {}, methods)  # unknown names fail before the model is loaded
+        batch_bench.check_batch_methods(methods)  # before the model is loaded
         model, tokenizer = _setup(args)
         report = batch_bench.run_batch_bench(model, tokenizer, questions, sizes, args.max_new_tokens, args.chat,
                                              args.warmup, progress=not args.no_progress,

@@ -39,14 +39,19 @@ def batch_decoders(model, base, settings: dict, methods) -> dict:
     steps (`use_heads=False, compile="wait"`); `bpd` batched drafting verified eagerly (`compile=False`, what
     `compile=True` runs for batches); `bpd-compiled` batched drafting on the compiled batched step
     (`compile="wait"`: the shapes a batch meets compile in the call, and their time is taken out of the timing)."""
+    check_batch_methods(methods)
     known = {"ar": lambda batch: base.generate(**batch, **settings),
              "ar-compiled": lambda batch: model.generate(**batch, **settings, use_heads=False, compile="wait"),
              "bpd": lambda batch: model.generate(**batch, **settings, compile=False),
              "bpd-compiled": lambda batch: model.generate(**batch, **settings, compile="wait")}
-    unknown = [m for m in methods if m not in known]
+    return {m: known[m] for m in methods}
+
+
+def check_batch_methods(methods) -> None:
+    """A one-line error for batch method names that `batch_decoders` does not know (or none at all)."""
+    unknown = [m for m in methods if m not in BATCH_METHODS]
     if unknown or not methods:
         raise ValueError(f"batch methods are {', '.join(BATCH_METHODS)}, got {', '.join(unknown) or 'none'}")
-    return {m: known[m] for m in methods}
 
 
 def run_batch_bench(model, tokenizer, questions: Sequence[dict], batch_sizes: Sequence[int],

@@ -168,8 +168,7 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, **{CACHE_NAME: cache},
                 use_cache=True, return_head_logits=False, logits_to_keep=1)
     ragged = RaggedCache(cache, mask.bool())
-    held = contextlib.ExitStack()  # a compiled batch holds its runners' lock until it ends
-    with held:
+    with contextlib.ExitStack() as held:  # a compiled batch holds its runners' lock until it ends
         if plan.compile == "wait" and not plan.row_drafts:
             held.enter_context(batched_lock())
             needed = generation_config.max_length + getattr(plan.drafter, "num_heads", 0) + 1
@@ -190,9 +189,8 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
         policy = None
         if not plan.row_drafts:
             policy = BatchWidth(forward_costs(base, len(active) * (num_heads + 1)), num_heads + 1, batch)
-            if isinstance(ragged, StaticRaggedCache):  # what this runner's compiled steps took when they compiled
-                for w, ms in sorted(ragged.runner.width_ms.items()):
-                    policy.timing(ragged.runner.rows * w, ms)
+            for n, ms in sorted(ragged.step_costs().items()):  # compiled steps, timed when they compiled
+                policy.timing(n, ms)
             stats.method = "chain/cost-aware+batch" if num_heads else stats.method
             for row in rows:
                 row.stats.method = stats.method
@@ -207,8 +205,7 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
                     row.stats.draft_probs.append(probs)
                     trees.append(DraftTree(drafts))
             else:
-                trees = _chain_trees(model, active, policy, shadows, num_heads, generation_config,
-                                     ragged.runner.rows if isinstance(ragged, StaticRaggedCache) else None)
+                trees = _chain_trees(model, active, policy, shadows, num_heads, generation_config, ragged.step_rows)
             stats.draft_seconds += time.perf_counter() - start
             width = max(len(t) for t in trees) + 1
             tokens = torch.zeros(len(active), width, dtype=torch.long, device=device)
@@ -243,13 +240,12 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
                         policy.record(row.index, *shadow_accepted(shadow[0], row.tokens[shadow[1]:]))
             ragged.keep_tail(width, kept_slots)
             if policy is not None:
-                step_rows = ragged.runner.rows if isinstance(ragged, StaticRaggedCache) else len(active)
                 if compiled:  # this step compiled its shape: its time is the runner's timing of the step
                     stats.compile_seconds += ragged.runner.compiled_widths[width]
                     step_ms = ragged.runner.width_ms[width]
                 else:
                     step_ms = 1000 * (time.perf_counter() - forward_start)
-                policy.timing(step_rows * width, step_ms)
+                policy.timing(ragged.step_rows * width, step_ms)
                 policy.delivered(width, gained / len(active), step_ms)
             forward_passes += 1
             still = [r for r, row in enumerate(active) if not row.stopped]

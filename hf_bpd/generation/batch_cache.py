@@ -28,17 +28,41 @@ def _states(cache):
     return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0]
 
 
+def _slot_index(index: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """`(rows, n)` slot indices as a `gather` index over `states` `(rows, heads, slots, head_dim)`."""
+    return index[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1])
+
+
 def _gather_block(layers, past: int, block: int, kept: list[list[int]], rows: int, device) -> int:
     """Move row r's kept block slots `kept[r]` (row-relative, in order) to the front of the block at `past`, in place;
     returns how many slots the longest kept list fills."""
     width = max((len(k) for k in kept), default=0)
     index = torch.tensor([k + [0] * (width - len(k)) for k in kept], device=device).reshape(rows, width)
     for layer in layers:
-        gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1]) + past
+        gather = _slot_index(index, layer.keys) + past
         for name in ("keys", "values"):
             states = getattr(layer, name)
             states[..., past: past + width, :] = states[..., : past + block, :].gather(2, gather)
     return width
+
+
+def _compaction(valid: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """`(order, compacted valid)`: `order[r]` the slots of row r to gather, its valid ones last and in order (None
+    when no row holds any), so every row's tokens end at the same slot (left padding), without holes."""
+    counts = valid.sum(-1)
+    width = int(counts.max())
+    order = torch.sort(valid.long(), dim=1, stable=True).indices[:, -width:] if width else None
+    return order, torch.arange(width, device=valid.device)[None] >= (width - counts)[:, None]
+
+
+def _copy_rows(runner, layers, count: int, length: int, rows: torch.Tensor | None = None) -> None:
+    """Copy the first `length` slots of `layers`' rows `rows` (all when None) into the first `count` rows of
+    `runner`'s static cache."""
+    with torch.no_grad():
+        for mine, theirs in zip(runner.layers, layers):
+            for name in ("keys", "values"):
+                states = getattr(theirs, name)[..., :length, :]
+                getattr(mine, name)[:count, :, :length].copy_(states if rows is None else states[rows])
 
 
 def _kept_mask(kept: list[list[int]], width: int, device) -> torch.Tensor:
@@ -58,6 +82,15 @@ class RaggedCache:
 
     def counts(self) -> torch.Tensor:
         return self.valid.sum(-1)
+
+    @property
+    def step_rows(self) -> int:
+        """The rows a step computes (here: the active rows)."""
+        return self.valid.shape[0]
+
+    def step_costs(self) -> dict[int, float]:
+        """`{tokens: ms}` of steps known before the call's own (none for the eager base)."""
+        return {}
 
     def make_room(self, width: int) -> None:
         """A dynamic cache grows as it needs."""
@@ -88,13 +121,10 @@ class RaggedCache:
 
     def compact(self) -> None:
         """Gather every row's valid slots to the right end (left padding): no holes."""
-        counts = self.counts()
-        width = int(counts.max())
-        order = torch.sort(self.valid.long(), dim=1, stable=True).indices[:, -width:]  # valid slots last, in order
+        order, self.valid = _compaction(self.valid)
         for layer in _states(self.cache):
-            gather = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            gather = _slot_index(order, layer.keys)
             layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
-        self.valid = torch.arange(width, device=self.valid.device)[None] >= (width - counts)[:, None]
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` (finished rows leave)."""
@@ -118,10 +148,7 @@ class StaticRaggedCache:
         self.rows = torch.arange(rows, device=valid.device)  # each active row's row in the static cache
         self.all_valid = torch.zeros(runner.rows, length, dtype=torch.bool, device=valid.device)
         self.all_valid[:rows] = valid
-        with torch.no_grad():
-            for mine, theirs in zip(runner.layers, cache.layers):
-                mine.keys[:rows, :, :length].copy_(theirs.keys)
-                mine.values[:rows, :, :length].copy_(theirs.values)
+        _copy_rows(runner, cache.layers, rows, length)
         runner.set_length(length)
 
     @property
@@ -135,6 +162,15 @@ class StaticRaggedCache:
 
     def counts(self) -> torch.Tensor:
         return self.valid.sum(-1)
+
+    @property
+    def step_rows(self) -> int:
+        """The rows a step computes: the runner's, finished rows included."""
+        return self.runner.rows
+
+    def step_costs(self) -> dict[int, float]:
+        """`{tokens: ms}` of the runner's compiled steps, timed when they compiled."""
+        return {self.runner.rows * w: ms for w, ms in self.runner.width_ms.items()}
 
     def make_room(self, width: int) -> None:
         """Compact when a block of `width` would not fit (call before the step's masks are built)."""
@@ -183,18 +219,15 @@ class StaticRaggedCache:
 
     def compact(self) -> None:
         """Gather every row's valid slots to the right end of the used part (left padding): no holes."""
-        counts = self.all_valid.sum(-1)
-        width = int(counts.max())
-        order = torch.sort(self.all_valid.long(), dim=1, stable=True).indices[:, -width:] if width else None
+        order, valid = _compaction(self.all_valid)
+        width = valid.shape[1]
         with torch.no_grad():
-            for layer in self.runner.layers:
-                if order is None:
-                    break
-                gather = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            for layer in self.runner.layers if order is not None else ():
+                gather = _slot_index(order, layer.keys)
                 for name in ("keys", "values"):
                     states = getattr(layer, name)
                     states[..., :width, :] = states[..., : self.length, :].gather(2, gather)
-        self.all_valid = torch.arange(width, device=counts.device)[None] >= (width - counts)[:, None]
+        self.all_valid = valid
         self.runner.set_length(width)
 
     def select(self, rows: torch.Tensor) -> None:
@@ -212,10 +245,7 @@ class StaticRaggedCache:
         if smaller is None or smaller is self.runner:
             return
         length = self.length
-        with torch.no_grad():
-            for mine, theirs in zip(smaller.layers, self.runner.layers):
-                mine.keys[:count, :, :length].copy_(theirs.keys[self.rows, :, :length])
-                mine.values[:count, :, :length].copy_(theirs.values[self.rows, :, :length])
+        _copy_rows(smaller, self.runner.layers, count, length, self.rows)
         valid = torch.zeros(size, length, dtype=torch.bool, device=self.all_valid.device)
         valid[:count] = self.valid
         self.all_valid, self.runner = valid, smaller

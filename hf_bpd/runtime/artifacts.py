@@ -35,7 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import attention_implementation
 from .ordered_attention import uses_ordered_attention
-from .step import VerificationStep, compile_unsupported_reason, verification_cache
+from .step import VerificationStep, compile_unsupported_reason, kv_layout, verification_cache
 
 FORMAT = 2  # bump when the exported step changes
 MAX_BLOCK = 16  # block lengths one artifact serves (1..MAX_BLOCK)
@@ -126,9 +126,7 @@ class _Step(VerificationStep):
 
 
 def _example(base, capacity: int = 64, block: int = 4, past: int = 8):
-    text = base.config.get_text_config(decoder=True)
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    heads, head_dim = kv_layout(base.config)
     cache = verification_cache(base.config, capacity)
     kv = [torch.zeros(1, heads, capacity, head_dim, dtype=base.dtype) for _ in range(2 * len(cache.layers))]
     closed = torch.finfo(base.dtype).min

@@ -30,7 +30,8 @@ from transformers.cache_utils import StaticCache
 
 from .attention import grouped_query_attention, uses_grouped_attention
 from .compiled import CACHE_BUCKET, MAX_COMPILED_SHAPES, _Patches
-from .step import VerificationStep, compile_unsupported_reason, verification_cache
+from .cost import weight_bytes
+from .step import VerificationStep, compile_unsupported_reason, kv_layout, verification_cache
 
 MAX_CACHE_BYTES = 2 << 30  # the static caches of a base's batched runners, together (a batch past it: eager)
 MAX_GRAPH_BYTES = 4 << 30  # the packed weights of a base's compiled batched shapes (beyond: eager steps, same cache)
@@ -40,8 +41,7 @@ TIMED_CALLS = 3  # calls timed after a shape compiles (their median: `width_ms`)
 def max_graphs(base) -> int:
     """How many batched shapes one base may compile: each frozen graph holds its own packed copy of the weights
     (SmolLM2 fp32: ~540 MB), so they share `MAX_GRAPH_BYTES` (at least 2: a plain and a drafted width)."""
-    weight_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
-    return max(2, MAX_GRAPH_BYTES // max(weight_bytes, 1))
+    return max(2, MAX_GRAPH_BYTES // max(weight_bytes(base), 1))
 
 
 def compiled_graphs(base) -> int:
@@ -61,10 +61,9 @@ def batched_unsupported_reason(base) -> str | None:
 
 def cache_bytes(base, rows: int, max_cache_len: int) -> int:
     """Bytes of the static keys and values of `rows` rows x `max_cache_len` slots."""
-    config = base.config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    per_slot = 2 * config.num_hidden_layers * kv_heads * head_dim * base.dtype.itemsize
+    kv_heads, head_dim = kv_layout(base.config)
+    layers = base.config.get_text_config(decoder=True).num_hidden_layers
+    per_slot = 2 * layers * kv_heads * head_dim * base.dtype.itemsize
     return rows * max_cache_len * per_slot
 
 
@@ -79,6 +78,7 @@ class BatchedRunner:
         self.grouped = uses_grouped_attention(base)
         self._compiled = None
         self.failed = False  # compiling failed once: every step of this runner runs eagerly
+        self.graph_limit = max_graphs(base)  # read where a new shape would compile (weights summed once, here)
         self.compiled_widths: dict[int, float] = {}  # width -> seconds its first call took (compilation)
         self.width_ms: dict[int, float] = {}  # width -> ms of the step, timed after compiling
         with torch.no_grad(), grouped_query_attention(base, self.grouped):  # allocate the cache now, eagerly
@@ -109,7 +109,7 @@ class BatchedRunner:
             if width in self.compiled_widths:
                 logits, hidden = self._compiled(tokens, positions, slots, mask)
                 return logits, hidden, False
-            if self.failed or compiled_graphs(self.base) >= max_graphs(self.base):  # the memory bound, or no compiler
+            if self.failed or compiled_graphs(self.base) >= self.graph_limit:  # the memory bound, or no compiler
                 logits, hidden = self.step(tokens, positions, slots, mask)
                 return logits, hidden, False
             start = time.perf_counter()

@@ -25,6 +25,14 @@ def has_sliding_layers(config) -> bool:
     return "sliding_attention" in (getattr(config.get_text_config(decoder=True), "layer_types", None) or ())
 
 
+def kv_layout(config) -> tuple[int, int]:
+    """`(key/value heads, head dim)` of the decoder's attention layers: one cache slot's shape per layer."""
+    text = config.get_text_config(decoder=True)
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return heads, head_dim
+
+
 def sliding_window_of(base) -> int | None:
     """The window of `base`'s sliding-window layers when its `layer_types` name any (None otherwise)."""
     if not has_sliding_layers(base.config):
