@@ -59,9 +59,16 @@ def main():
     p.add_argument("--num-drafts", type=int, default=1)
     p.add_argument("--draft-nodes", type=int, default=None)
     p.add_argument("--fp32-heads", action="store_true", help="heads_int8=False: the heads' own fp32 weights")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the base's dtype")
+    p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights (hf_bpd.Int8WeightsConfig, bf16)")
     args = p.parse_args()
     torch.set_num_threads(2)
-    model = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.model)
+    load = {}
+    if args.dtype == "bf16" or args.quantize:
+        load["dtype"] = torch.bfloat16
+    if args.quantize:
+        load["quantization_config"] = hf_bpd.Int8WeightsConfig()
+    model = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.model, **load)
     inputs = first_turn_inputs(hf_bpd.load_tokenizer(args.model), args.questions, args.limit)
     options = dict(rescorer=None if args.rescorer == "none" else args.rescorer, compile=not args.eager,
                    num_heads_to_use=args.heads, prompt_lookup=args.prompt_lookup, draft_schedule=args.schedule,
@@ -124,7 +131,7 @@ def main():
             model.last_generation_stats.new_tokens
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {args.heads} heads, rescorer {args.rescorer}, "
           f"{'eager' if args.eager else 'compiled'}, lookup {args.prompt_lookup}, schedule {args.schedule}, "
-          f"heads {'fp32' if args.fp32_heads else 'int8 where it can'}")
+          f"heads {'fp32' if args.fp32_heads else 'int8 where it can'}, base {args.quantize or args.dtype}")
     print(f"block efficiency {tokens / calls:.2f}; {1000 * total / calls:.1f} ms per drafted serial call; plain "
           f"{1000 * plain_total / plain_calls:.1f} ms per call; speed vs plain "
           f"{tokens / total / (plain_calls / plain_total):.2f}x")

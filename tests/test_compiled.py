@@ -3,6 +3,7 @@
 Compiling costs tens of seconds per block shape even for a tiny model, so one model and few shapes are used.
 """
 
+import copy
 import warnings
 
 import pytest
@@ -205,7 +206,7 @@ def test_a_fresh_runner_compiles_each_block_length_once(one_thread):
     """The static cache is allocated before compiling: no second compilation for the allocated cache."""
     from torch._dynamo.utils import counters
 
-    model = random_bpd("qwen2", 2)
+    model = copy.deepcopy(random_bpd("qwen2", 2))  # a base no graph was compiled for (graphs are kept per base)
     runner = verify_runtime.compiled_runner(model.base_lm, 64)
     before = counters["stats"]["unique_graphs"]
     runner.warm_up([3], torch.device("cpu"))
@@ -297,3 +298,28 @@ def test_half_precision_calls_recompute_their_prompt(one_thread):
     assert torch.equal(model.generate(ids, **kwargs), first)
     assert model.last_generation_stats.reused_prompt_tokens == 0
     verify_runtime.discard_runners(model.base_lm)
+
+
+def test_a_second_base_of_the_same_shape_gets_its_own_graph(one_thread):
+    """dynamo keeps graphs per code object, and the compiled steps drop most module guards (`step_guards`): the
+    identity checks they keep must still tell two bases of one shape apart, or the second would run the first's
+    frozen weights."""
+    from tests.test_decoding import prompt_ids
+
+    first = copy.deepcopy(random_bpd("llama", 5))
+    second = copy.deepcopy(first)
+    with torch.no_grad():
+        for p in second.base_lm.parameters():
+            p.mul_(-1.5)
+    ids = prompt_ids(3, 9)
+    outputs = []
+    for model in (first, second):
+        got = model.generate(ids, use_heads=False, compile=True, do_sample=False, max_new_tokens=12,
+                             eos_token_id=None)
+        assert model.last_generation_stats.verifier == "compiled"
+        expected = model.base_lm.generate(ids, do_sample=False, max_new_tokens=12, eos_token_id=None,
+                                          pad_token_id=0)
+        assert torch.equal(got, expected)
+        outputs.append(got)
+        verify_runtime.discard_runners(model.base_lm)
+    assert not torch.equal(outputs[0], outputs[1])

@@ -11,7 +11,7 @@ from hf_bpd.generation.tree import DraftTree
 from hf_bpd.runtime import compiled as verify_runtime
 from hf_bpd.runtime.int8_weights import Int8WeightLinear, has_int8_weights
 from tests.test_decoding import prompt_ids
-from tests.test_ordered_attention import assert_tree_rows_equal_one_token_steps
+from tests.test_ordered_attention import assert_drafting_equals_plain, assert_tree_rows_equal_one_token_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -71,30 +71,30 @@ def test_quantizing_converts_the_decoder_and_output_layers_and_refuses_fp32():
         quantize_int8_weights(int8_sized_base().float())
 
 
-def test_compiled_int8_steps_use_int8_templates_and_block_rows_equal_one_token_steps(int8_model):
-    """The compiled step lowers every int8 layer to inductor's weight-only int8 GEMM, and a draft tree's rows equal,
-    bit for bit, one-token compiled steps over the same path."""
+def test_compiled_int8_steps_use_int8_kernels_and_block_rows_equal_one_token_steps(int8_model):
+    """The compiled step runs every int8 layer on an int8 kernel -- hf_bpd's packed one where the CPU has AVX512-BF16
+    (`hf_bpd.runtime.kernels`), else inductor's weight-only int8 GEMM -- and a draft tree's rows equal, bit for bit,
+    one-token compiled steps over the same path."""
     from torch._dynamo.utils import counters
+
+    from hf_bpd.runtime.packed_linear import PackedLinear
 
     base = int8_model.base_lm
     runner = verify_runtime.compiled_runner(base, 64)
     assert runner.ordered
     before = counters["inductor"]["woq_matcher_count"]
     assert_tree_rows_equal_one_token_steps(int8_model, runner)
-    assert counters["inductor"]["woq_matcher_count"] - before >= 2 * 15  # two block lengths, 15 int8 layers each
+    if runner.packed is not None:
+        assert sum(isinstance(m, PackedLinear) for m in runner.packed.modules()) == 15
+    else:
+        assert counters["inductor"]["woq_matcher_count"] - before >= 2 * 15  # two block lengths, 15 int8 layers each
 
 
 @pytest.mark.parametrize("options", [{}, {"tree": (2, 2, 1)}, {"num_drafts": 3, "draft_top_k": 2},
                                      {"num_drafts": 3, "draft_top_k": 2, "draft_nodes": 3, "prompt_lookup": True}],
                          ids=["chain", "tree", "pbest", "nodes"])
 def test_compiled_int8_decoding_equals_compiled_plain_decoding(int8_model, options):
-    kwargs = dict(do_sample=False, eos_token_id=None, compile=True)
-    for seed in range(3):
-        ids = prompt_ids(seed, 4 + 5 * seed)  # ids below VOCAB (96) < 128
-        plain = int8_model.generate(ids, use_heads=False, max_new_tokens=24, **kwargs)
-        got = int8_model.generate(ids, max_new_tokens=24, **options, **kwargs)
-        assert torch.equal(got, plain), (options, seed)
-        assert int8_model.last_generation_stats.verifier == "compiled"
+    assert_drafting_equals_plain(int8_model, options)
 
 
 def test_from_pretrained_with_int8_weights_checks_the_fingerprint_first_and_drafts_in_bf16(tmp_path):

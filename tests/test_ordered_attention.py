@@ -72,26 +72,32 @@ def test_compiled_ordered_attention_rows_equal_one_token_steps_whatever_the_tree
     try:
         with torch.no_grad(), _Patches(ordered=True):
             for trial in range(4):
-                generator = torch.Generator().manual_seed(trial)
-                past, slots = 237, 512
-                q = torch.randn(1, 9, 8, 64, generator=generator).to(torch.bfloat16)
-                k = (2 * torch.randn(1, 3, slots, 64, generator=generator)).to(torch.bfloat16)
-                v = torch.randn(1, 3, slots, 64, generator=generator).to(torch.bfloat16)
-                block, depths = _block_attention(attend, q, k, v, past, TREE)
-                if trial == 0:
-                    allowed = torch.zeros(8, slots, dtype=torch.bool)
-                    allowed[:, :past + 8] = True
-                    allowed[:, past:past + 8] = torch.eye(8, dtype=torch.bool)
-                    allowed[:len(TREE) + 1, past:past + len(TREE) + 1] = TREE.ancestors_mask()
-                    mask = torch.zeros(1, 1, 8, slots).masked_fill(~allowed, float("-inf"))
-                    reference = torch.nn.functional.scaled_dot_product_attention(
-                        q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True).transpose(1, 2)
-                    rows = len(TREE) + 1  # (the padding row attends differently, and is never read)
-                    torch.testing.assert_close(block[:, :rows].float(), reference[:, :rows], atol=2e-2, rtol=2e-2)
-                for row, lone in _lone_rows(attend, q, k, v, past, TREE, depths):
-                    assert torch.equal(lone, block[0, row]), (trial, row)
+                assert_tree_rows_equal_lone_rows(attend, trial)
     finally:
         torch.set_num_threads(threads)
+
+
+def assert_tree_rows_equal_lone_rows(attend, trial: int) -> None:
+    """A random tree block at SmolLM2's sizes (9 query heads over 3 key/value heads of 64, 512 slots) through
+    `attend`: every row equals the lone query at its position bit for bit, and (trial 0) it is attention."""
+    generator = torch.Generator().manual_seed(trial)
+    past, slots = 237, 512
+    q = torch.randn(1, 9, 8, 64, generator=generator).to(torch.bfloat16)
+    k = (2 * torch.randn(1, 3, slots, 64, generator=generator)).to(torch.bfloat16)
+    v = torch.randn(1, 3, slots, 64, generator=generator).to(torch.bfloat16)
+    block, depths = _block_attention(attend, q, k, v, past, TREE)
+    if trial == 0:
+        allowed = torch.zeros(8, slots, dtype=torch.bool)
+        allowed[:, :past + 8] = True
+        allowed[:, past:past + 8] = torch.eye(8, dtype=torch.bool)
+        allowed[:len(TREE) + 1, past:past + len(TREE) + 1] = TREE.ancestors_mask()
+        mask = torch.zeros(1, 1, 8, slots).masked_fill(~allowed, float("-inf"))
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True).transpose(1, 2)
+        rows = len(TREE) + 1  # (the padding row attends differently, and is never read)
+        torch.testing.assert_close(block[:, :rows].float(), reference[:, :rows], atol=2e-2, rtol=2e-2)
+    for row, lone in _lone_rows(attend, q, k, v, past, TREE, depths):
+        assert torch.equal(lone, block[0, row]), (trial, row)
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +145,18 @@ def test_compiled_bf16_block_rows_equal_one_token_steps(bf16_model):
                                      {"num_drafts": 3, "draft_top_k": 2, "draft_nodes": 3, "prompt_lookup": True}],
                          ids=["chain", "tree", "pbest", "nodes"])
 def test_compiled_bf16_decoding_equals_compiled_plain_decoding(bf16_model, options):
+    assert_drafting_equals_plain(bf16_model, options)
+
+
+def assert_drafting_equals_plain(model, options: dict) -> None:
+    """Compiled drafted decoding with `options` gives compiled plain decoding's tokens on three prompts."""
     kwargs = dict(do_sample=False, eos_token_id=None, compile=True)
     for seed in range(3):
-        ids = prompt_ids(seed, 4 + 5 * seed)
-        plain = bf16_model.generate(ids, use_heads=False, max_new_tokens=24, **kwargs)
-        got = bf16_model.generate(ids, max_new_tokens=24, **options, **kwargs)
+        ids = prompt_ids(seed, 4 + 5 * seed)  # ids below the tiny vocabularies (96, 128)
+        plain = model.generate(ids, use_heads=False, max_new_tokens=24, **kwargs)
+        got = model.generate(ids, max_new_tokens=24, **options, **kwargs)
         assert torch.equal(got, plain), (options, seed)
-        assert bf16_model.last_generation_stats.verifier == "compiled"
+        assert model.last_generation_stats.verifier == "compiled"
 
 
 def test_half_precision_bases_compile_in_process_not_through_artifacts(bf16_model):

@@ -30,6 +30,7 @@ from transformers.cache_utils import StaticCache
 
 from .attention import grouped_query_attention, uses_grouped_attention
 from .compiled import CACHE_BUCKET, MAX_COMPILED_SHAPES, _Patches
+from .guards import call_compiled, step_guards
 from .cost import weight_bytes
 from .step import VerificationStep, compile_unsupported_reason, kv_layout, verification_cache
 
@@ -104,11 +105,12 @@ class BatchedRunner:
         past = int(self.cache.layers[0].cumulative_length)
         slots = torch.arange(past, past + width, device=tokens.device)
         if self._compiled is None:
-            self._compiled = torch.compile(self.step, dynamic=False)
+            self._compiled = torch.compile(self.step, dynamic=False, options={"guard_filter_fn": step_guards})
         with grouped_query_attention(self.base, self.grouped):
-            if width in self.compiled_widths:
-                logits, hidden = self._compiled(tokens, positions, slots, mask)
-                return logits, hidden, False
+            done = call_compiled(self._compiled, tokens, positions, slots, mask) \
+                if width in self.compiled_widths else None
+            if done is not None:
+                return *done, False
             if self.failed or compiled_graphs(self.base) >= self.graph_limit:  # the memory bound, or no compiler
                 logits, hidden = self.step(tokens, positions, slots, mask)
                 return logits, hidden, False

@@ -27,11 +27,13 @@ from ..kv_cache import CACHE_NAME
 from .attention import attention_implementation, grouped_query_attention, uses_grouped_attention
 from .inlining import INDUCTOR_OPTIONS, compiler_options
 from .int8_heads import int8_heads_step, kernel_file
-from .ordered_attention import (ORDERED_ATTENTION, block_key_order, identity_key_order, placed_key_order,
-                                uses_ordered_attention)
+from .ordered_attention import (ORDERED_ATTENTION, ORDERED_KERNEL_ATTENTION, block_key_order, identity_key_order,
+                                placed_key_order, uses_ordered_attention)
 from .prefetch import prefetching_gemm_template
 from .quiet import quiet_compilation
-from .step import VerificationStep, verification_cache
+from .guards import call_compiled, step_guards
+from .packed_linear import packed_base
+from .step import VerificationStep, kv_layout, verification_cache
 
 if TYPE_CHECKING:
     from ..generation.tree import DraftTree
@@ -40,10 +42,9 @@ if TYPE_CHECKING:
 # cache is a cheaper step: SmolLM2's 4-token step measured 20.6 ms on 1,024 slots and 18.0 ms on 512
 # (`benchmarks/block_profile.py`); each size compiles its own graphs, so an existing larger one is reused.
 CACHE_BUCKET = 512
-# A compiled chain with prompt lookup verifies this many draft nodes per step (a block of 8 tokens): inductor's CPU
-# GEMM template multiplies 8 rows at a time (register block 8 x 48), so with the micro-kernels in registers
-# (`hf_bpd.runtime.inlining`) a block of up to 8 tokens costs about what one token costs (SmolLM2, AVX-512: 17.0 /
-# 19.8 / 20.3 / 21.9 ms for 1 / 4 / 5 / 8 tokens, `benchmarks/block_profile.py`); 9 tokens start a second row tile.
+# A compiled chain with prompt lookup verifies this many draft nodes per step (a block of 8 tokens): inductor's CPU GEMM
+# template multiplies 8 rows at a time, so a block of up to 8 tokens costs about one token's (SmolLM2, AVX-512: 17.0 /
+# 19.8 / 20.3 / 21.9 ms for 1 / 4 / 5 / 8 tokens, `benchmarks/block_profile.py`); 9 start a second row tile.
 COMPILED_DRAFT_SLOTS = 7
 MAX_COMPILED_SHAPES = 64  # block lengths one runner may compile (dynamo's own limit is 8)
 MAX_TREE_PATTERNS = 4096  # tree shapes whose block masks one call keeps
@@ -53,8 +54,7 @@ class _Patches(contextlib.ExitStack):
     """The compile settings, applied around every call of a compiled step (see `CompiledRunner`): `INDUCTOR_OPTIONS`
     and GCC told to inline the GEMM micro-kernels of every row count (`hf_bpd.runtime.inlining`), without autotune
     tables on stderr (`hf_bpd.runtime.quiet`). dynamo compiles at most `recompile_limit` (default 8) shapes per
-    function and then silently runs it eagerly (measured: block lengths 8..16 of `hf-bpd profile` ran uncompiled);
-    each block length is one shape, so the limit is raised.
+    function, then silently runs it eagerly: each block length is one shape, so the limit is raised.
     `ordered` (half precision): GEMMs by inductor's CPU templates only (autotuned against ATen's, another kernel won
     for one row than for eight), rounding to bf16 wherever the eager program does (`emulate_precision_casts`: else an
     int8 layer's epilogue stayed fp32 for one row count and not another): a row rounds alike for any row count."""
@@ -145,22 +145,19 @@ class CompiledRunner:
         self.base = base
         self.max_cache_len = max_cache_len
         self.cache = verification_cache(base.config, max_cache_len)
-        self.step = VerificationStep(base, self.cache).eval()
-        # The inductor settings are applied with `config.patch` around every call (compilation happens lazily, in the
-        # first call per shape): passing them as `torch.compile(options=...)` did not enable the GEMM templates here
-        # (measured: 43 ms vs 21 ms per one-token SmolLM2 step), and setting them globally would change the
-        # user's own compiles.
-        # Not `guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe` (measured on an Intel Xeon: dynamo's
-        # check before each call 0.83 -> 0.10 ms per SmolLM2 step): dynamo caches graphs per code object, and
-        # without the modules' guards a second model's runner ran the first model's frozen graph (caught by
-        # tests/test_compiled.py in a full run).
+        # Half precision: position-ordered attention and, on AVX512-BF16 CPUs, hf_bpd's row-invariant kernels
+        # (`hf_bpd.runtime.kernels`): a block's rows round as one-token steps do, so drafting never changes the output.
+        self.ordered = uses_ordered_attention(base)
+        self.packed = packed_base(base) if self.ordered else None
+        self.step = VerificationStep(self.packed if self.packed is not None else base, self.cache).eval()
+        self.attention_kernel = self.packed is not None and kv_layout(base.config)[1] % 16 == 0  # its head dims
+        # Inductor settings: `_Patches` around each compiling call (as `torch.compile(options=...)` they did not enable
+        # the GEMM templates: 43 vs 21 ms per one-token SmolLM2 step; set globally they would change the user's own
+        # compiles). Guards: `hf_bpd.runtime.guards`.
         self._compiled = None  # `torch.compile(self.step)`, made on first use (importing inductor takes ~1.3 s)
         # Grouped key/value heads are read in place, not copied per query head (`hf_bpd.runtime.attention`); the
-        # switch is on in every call of the compiled step (dynamo guards on the attention implementation's name).
+        # switch is on in every call of the compiled step.
         self.grouped = uses_grouped_attention(base)
-        # Half-precision bases attend in position order (`hf_bpd.runtime.ordered_attention`): a block's rows round
-        # as one-token steps do, so drafting never changes their output.
-        self.ordered = uses_ordered_attention(base)
         # The static cache allocates its tensors lazily, in its first update: do that now, eagerly, or the first
         # compiled call traces the allocation (guard `is_initialized == False`) and the next one compiles again
         # (measured: every first block length compiled twice, ~1 min each for SmolLM2).
@@ -182,13 +179,14 @@ class CompiledRunner:
     @property
     def compiled(self):
         if self._compiled is None:
-            self._compiled = torch.compile(self.step, dynamic=False)
+            self._compiled = torch.compile(self.step, dynamic=False, options={"guard_filter_fn": step_guards})
         return self._compiled
 
     def attention(self):
         """The attention the steps run on: position-ordered for half precision, else PyTorch's grouped kernel."""
         if self.ordered:
-            return attention_implementation(self.base, ORDERED_ATTENTION)
+            return attention_implementation(
+                self.base, ORDERED_KERNEL_ATTENTION if self.attention_kernel else ORDERED_ATTENTION)
         return grouped_query_attention(self.base, self.grouped)
 
     def key_order(self, rows: int, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -201,7 +199,9 @@ class CompiledRunner:
         order = order if order is not None else self.key_order(q, input_ids.device)
         with self.attention():
             if q in self.compiled_buckets:  # compiled: the settings only matter while compiling (~0.26 ms a patch)
-                return self.compiled(input_ids, position_ids, cache_position, attention_mask, *order)
+                done = call_compiled(self.compiled, input_ids, position_ids, cache_position, attention_mask, *order)
+                if done is not None:
+                    return done
             start = time.perf_counter()
             with _Patches(self.ordered):
                 logits, hidden = self.compiled(input_ids, position_ids, cache_position, attention_mask, *order)
@@ -367,9 +367,10 @@ def compiled_runner(base, needed_length: int, artifact=None) -> CompiledRunner:
 def discard_runners(base) -> None:
     """Forget `base`'s runners and their compiled steps (after a failed compile: the next call starts afresh)."""
     _RUNNERS.pop(base, None)
-    from . import artifacts
+    from . import artifacts, packed_linear
 
     artifacts.forget(base)
+    packed_linear.forget(base)
 
 
 class CompiledVerifier:

@@ -43,7 +43,8 @@ _build_error: str | None = None
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # heads -> {(top_k, weights' versions): step}
 
 
-def _cpu_features() -> str:
+def cpu_features() -> str:
+    """The machine and its CPU flags (`/proc/cpuinfo`): what a kernel built with `-march=native` depends on."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
@@ -54,8 +55,25 @@ def _cpu_features() -> str:
 
 def kernel_file() -> Path:
     """The built kernel for this source, these flags and this CPU (hashed into the file name)."""
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CXXFLAGS).encode() + _cpu_features().encode())
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CXXFLAGS).encode() + cpu_features().encode())
     return cache_dir() / "kernels" / f"libhf_bpd_int8_heads-{digest.hexdigest()[:16]}.so"
+
+
+def compile_library(arguments: list[str], target: Path, what: str, timeout: int = 300) -> Path:
+    """Run the C++ compiler (`$CXX`, default g++) with `arguments` into `target` (a partial file, then renamed, so
+    concurrent builds never load half a file); a one-line RuntimeError naming `what` when it fails."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(f".{os.getpid()}.tmp")
+    command = [os.environ.get("CXX", "g++"), *arguments, "-o", str(partial)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise RuntimeError(f"compiling {what} failed: {error}") from None
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines() or ["?"]
+        raise RuntimeError(f"compiling {what} failed: {lines[0].strip()}")
+    os.replace(partial, target)
+    return target
 
 
 def build_kernel(force: bool = False) -> Path:
@@ -63,18 +81,7 @@ def build_kernel(force: bool = False) -> Path:
     target = kernel_file()
     if target.exists() and not force:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(f".{os.getpid()}.tmp")
-    command = [os.environ.get("CXX", "g++"), *_CXXFLAGS, str(_SOURCE), "-o", str(partial)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise RuntimeError(f"compiling {_SOURCE.name} failed: {error}") from None
-    if done.returncode != 0:
-        lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines() or ["?"]
-        raise RuntimeError(f"compiling {_SOURCE.name} failed: {lines[0].strip()}")
-    os.replace(partial, target)
-    return target
+    return compile_library([*_CXXFLAGS, str(_SOURCE)], target, _SOURCE.name)
 
 
 def load_kernel():

@@ -39,6 +39,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ORDERED_ATTENTION = "hf_bpd_ordered"
+ORDERED_KERNEL_ATTENTION = "hf_bpd_ordered_kernel"  # the same order, in C++ over the slots in use (bf16, AVX512-BF16)
 HALF_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -109,5 +110,23 @@ def ordered_attention_forward(module, query, key, value, attention_mask, dropout
     return out.transpose(1, 2).contiguous(), None
 
 
+def ordered_kernel_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                                     key_slots=None, key_ranks=None, **kwargs):
+    """`ordered_attention_forward`'s contract on `torch.ops.hf_bpd_kernels.ordered_attention`
+    (`csrc/ordered_attention.cpp`, loaded by `hf_bpd.runtime.kernels`): each row over its positions in order, the
+    values summed in position order, reading only the slots some row can see. Selected by the compiled steps of bf16
+    bases where the kernels load; its sums are grouped differently from the PyTorch version's, so a base's plain and
+    drafted steps use the same one."""
+    if dropout or kwargs.get("softcap") is not None:
+        raise NotImplementedError("ordered attention serves no dropout or attention soft-capping")
+    if attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return torch.ops.hf_bpd_kernels.ordered_attention(query, key, value, attention_mask, key_slots, scale), None
+
+
 AttentionInterface.register(ORDERED_ATTENTION, ordered_attention_forward)
 AttentionMaskInterface.register(ORDERED_ATTENTION, sdpa_mask)
+AttentionInterface.register(ORDERED_KERNEL_ATTENTION, ordered_kernel_attention_forward)
+AttentionMaskInterface.register(ORDERED_KERNEL_ATTENTION, sdpa_mask)

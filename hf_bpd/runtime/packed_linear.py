@@ -1,0 +1,100 @@
+"""Row-invariant linear layers for bf16 and int8-weight bases on CPUs with AVX512-BF16: the compiled step's GEMMs.
+
+A drafted block is exact only if each of its rows is computed as the same row would be alone: in half precision any
+other summation order flips greedy choices at bf16's many near-ties. `csrc/packed_linear.cpp` is a GEMM built for
+that: every output sums its products in one SIMD lane, input pair after input pair (`vdpbf16ps`), whatever the number
+of rows, so rows are bit-identical by construction. It also reads the weights at memory speed for one row and keeps
+the multiply units busy for 8-16 (measured on SmolLM2's shapes, AMD EPYC, 2 threads: 1.6-3.4x PyTorch's bf16
+`linear`, and faster than its int8 weight-only kernel from 4 rows on; `benchmarks/kernels.py`).
+
+`packed_base(base)` is the module tree the compiled steps of a bf16 or `Int8WeightsConfig` base run: a copy of the
+base's modules sharing every parameter, buffer and config with it, whose linear layers are `PackedLinear`s holding the
+weights packed for the kernel (one extra copy of the linear weights per base, shared by all its compiled shapes). The
+base itself is not changed: its own `generate()` runs as loaded.
+
+The kernel is built on first use (`hf_bpd.runtime.kernels`); `HF_BPD_KERNELS=0` keeps inductor's GEMMs instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+from .int8_weights import Int8WeightLinear
+from .kernels import LANES, kernels_unsupported_reason
+
+_CLONES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> its packed module tree
+_lock = threading.Lock()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`(N, K)` -> the kernel's `(N / 16, K / 2, 16, 2)`: 16 outputs' weights for each pair of inputs side by side."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // LANES, LANES, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+class PackedLinear(nn.Module):
+    """A linear layer on the packed kernel: bf16 weights, or int8 weights with one bf16 scale per output row
+    (`Int8WeightLinear`'s), rounding where those layers round."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> PackedLinear | None:
+        """The packed twin of `layer` (an `nn.Linear` with bf16 weights or an `Int8WeightLinear`), or None when its
+        shape does not pack (output features not a multiple of 16, odd input features)."""
+        if isinstance(layer, Int8WeightLinear):  # (bf16 scales and biases are exact in fp32, which the kernel reads)
+            weight, scale = layer.weight, layer.weight_scale.detach().to(torch.bfloat16).float()
+        elif type(layer) is nn.Linear and layer.weight.dtype == torch.bfloat16:
+            weight, scale = layer.weight, None
+        else:
+            return None
+        n, k = weight.shape
+        if n % LANES or k % 2 or weight.device.type != "cpu":
+            return None
+        bias = None if layer.bias is None else layer.bias.detach().to(torch.bfloat16).float()
+        return cls(pack(weight), scale, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.hf_bpd_kernels.packed_linear(x, self.packed, self.scale, self.bias)
+
+
+def packed_base(base) -> nn.Module | None:
+    """`base`'s module tree with every linear layer the kernel serves packed (see the module docstring), or None
+    when this base or this machine has none to serve (not bf16, not on the CPU, no AVX512-BF16, build failed)."""
+    if base.dtype != torch.bfloat16 or base.device.type != "cpu" or kernels_unsupported_reason() is not None:
+        return None
+    with _lock:
+        clone = _CLONES.get(base)
+        if clone is not None:
+            return clone
+        memo: dict[int, object] = {id(t): t for t in (*base.parameters(), *base.buffers())}
+        for module in base.modules():
+            config = getattr(module, "config", None)
+            if config is not None:
+                memo[id(config)] = config
+        clone = copy.deepcopy(base, memo)
+        replaced = 0
+        for name, module in list(clone.named_modules()):
+            twin = PackedLinear.of(module) if name else None
+            if twin is not None:
+                clone.set_submodule(name, twin)
+                replaced += 1
+        if not replaced:
+            return None
+        _CLONES[base] = clone
+        return clone
+
+
+def forget(base) -> None:
+    """Drop `base`'s packed module tree (with its runners: the next compiled step packs the weights afresh)."""
+    with _lock:
+        _CLONES.pop(base, None)

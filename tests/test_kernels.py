@@ -1,0 +1,155 @@
+"""hf_bpd's CPU kernels for bf16 and int8-weight bases (`hf_bpd.runtime.kernels`): the packed GEMM and the ordered
+attention compute each row of a block bit for bit as that row alone, close to the layers they stand for; the compiled
+steps of a bf16 base run them, and its drafted decoding equals its plain decoding token for token."""
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from hf_bpd import BlockwiseParallelForCausalLM
+from hf_bpd.runtime import compiled as verify_runtime
+from hf_bpd.runtime.int8_weights import Int8WeightLinear
+from hf_bpd.runtime.kernels import kernels_unsupported_reason
+from hf_bpd.runtime.ordered_attention import ordered_kernel_attention_forward
+from hf_bpd.runtime.packed_linear import PackedLinear, packed_base
+from tests.conftest import VOCAB
+from tests.test_decoding import prompt_ids
+from tests.test_ordered_attention import assert_drafting_equals_plain, assert_tree_rows_equal_lone_rows
+
+REASON = kernels_unsupported_reason()
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"hf_bpd's kernels: {REASON}"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_packed_linear_rows_equal_lone_rows_and_the_layer(int8, bias):
+    """Any number of rows (register tiles of 4 and 8, tails of 1-7): each equals the same row alone, bit for bit, and
+    the layer it packs within bf16 rounding."""
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 80, bias=bias).to(torch.bfloat16)
+    if int8:
+        layer = Int8WeightLinear.from_linear(layer)
+    packed = PackedLinear.of(layer)
+    assert packed is not None
+    x = torch.randn(17, 96).to(torch.bfloat16)
+    with torch.no_grad():
+        whole = packed(x)
+        reference = layer(x)
+        for rows in (1, 3, 4, 5, 8, 12, 17):
+            block = packed(x[:rows])
+            for row in range(rows):
+                assert torch.equal(block[row], packed(x[row:row + 1])[0]), (rows, row)
+            assert torch.equal(block, whole[:rows])
+    torch.testing.assert_close(whole.float(), reference.float(), atol=3e-2, rtol=2e-2)
+    assert whole.dtype == torch.bfloat16 and packed(x.reshape(1, 17, 96)).shape == (1, 17, 80)
+
+
+def test_packed_linear_serves_only_shapes_it_packs():
+    assert PackedLinear.of(nn.Linear(96, 40).to(torch.bfloat16)) is None  # 40 outputs: not a multiple of 16
+    assert PackedLinear.of(nn.Linear(95, 32).to(torch.bfloat16)) is None  # odd inputs
+    assert PackedLinear.of(nn.Linear(96, 32)) is None  # fp32
+    with pytest.raises(RuntimeError, match="x must be bf16"):
+        PackedLinear.of(nn.Linear(96, 32).to(torch.bfloat16))(torch.randn(2, 96))
+
+
+def _kernel(q, k, v, mask, key_slots, key_ranks):
+    return ordered_kernel_attention_forward(None, q, k, v, mask, key_slots=key_slots, key_ranks=key_ranks)[0]
+
+
+def test_kernel_attention_rows_equal_one_token_steps_whatever_the_tree():
+    """As `test_compiled_ordered_attention_rows_equal_one_token_steps_whatever_the_tree`, run eagerly: each row of a
+    tree block equals a lone query at its position over its own sequence bit for bit, and it is attention."""
+    with torch.no_grad():
+        for trial in range(3):
+            assert_tree_rows_equal_lone_rows(_kernel, trial)
+
+
+def test_kernel_attention_reads_only_open_slots():
+    """Slots closed for every row at the end of the cache are skipped: garbage there changes nothing."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 3, 32, generator=generator).to(torch.bfloat16)
+    k = torch.randn(1, 2, 64, 32, generator=generator).to(torch.bfloat16)
+    v = torch.randn(1, 2, 64, 32, generator=generator).to(torch.bfloat16)
+    mask = torch.zeros(1, 1, 3, 64, dtype=torch.bfloat16)
+    mask[..., 20:] = torch.finfo(torch.bfloat16).min
+    before = _kernel(q, k, v, mask, None, None)
+    k[:, :, 20:] = float("nan")
+    v[:, :, 20:] = float("nan")
+    assert torch.equal(_kernel(q, k, v, mask, None, None), before)
+
+
+def _head_dim_16_bpd():
+    """A tiny bf16 Llama whose head dim (16) the attention kernel serves, with random heads."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0)
+    model = BlockwiseParallelForCausalLM.from_base(AutoModelForCausalLM.from_config(config).eval(), num_heads=3)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    return model.eval().to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def kernel_model(one_thread):
+    model = _head_dim_16_bpd()
+    yield model
+    verify_runtime.discard_runners(model.base_lm)
+    torch._dynamo.reset()
+
+
+def test_packed_base_shares_the_weights_and_leaves_the_base_as_loaded(kernel_model):
+    base = kernel_model.base_lm
+    clone = packed_base(base)
+    assert packed_base(base) is clone  # one per base
+    assert type(base.model.layers[0].mlp.up_proj) is nn.Linear and type(base.lm_head) is nn.Linear
+    assert isinstance(clone.model.layers[0].mlp.up_proj, PackedLinear) and isinstance(clone.lm_head, PackedLinear)
+    assert clone.model.embed_tokens.weight is base.model.embed_tokens.weight and clone.config is base.config
+    assert packed_base(copy.deepcopy(base).float()) is None  # fp32 bases keep their layers
+    verify_runtime.discard_runners(base)  # (weights may have changed: the next step packs them afresh)
+    assert packed_base(base) is not clone
+
+
+def test_compiled_kernel_steps_round_a_tree_block_like_one_token_steps(kernel_model):
+    from tests.test_ordered_attention import assert_tree_rows_equal_one_token_steps
+
+    runner = verify_runtime.compiled_runner(kernel_model.base_lm, 64)
+    assert runner.packed is not None and runner.attention_kernel
+    assert_tree_rows_equal_one_token_steps(kernel_model, runner)
+
+
+@pytest.mark.parametrize("options", [{}, {"tree": (2, 2, 1)}, {"num_drafts": 3, "draft_top_k": 2, "draft_nodes": 3,
+                                                               "prompt_lookup": True}], ids=["chain", "tree", "nodes"])
+def test_compiled_kernel_decoding_equals_compiled_plain_decoding(kernel_model, options):
+    assert_drafting_equals_plain(kernel_model, options)
+
+
+def test_the_random_heads_get_drafts_accepted(kernel_model):
+    """The fixture's heads draft tokens the base accepts (else the exactness tests above would prove little)."""
+    stats = []
+    for seed in range(3):
+        kernel_model.generate(prompt_ids(seed, 8), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                              compile=True, tree=(2, 2, 1))
+        stats.append(kernel_model.last_generation_stats.block_efficiency)
+    assert max(stats) > 1.0, stats
+
+
+def test_kernel_benchmark_smoke(tmp_path):
+    """`benchmarks/kernels.py` runs, and finds hf_bpd's kernels row-invariant on every SmolLM2 shape."""
+    root = Path(__file__).resolve().parents[1]
+    output = tmp_path / "kernels.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "kernels.py"), "--repeats", "1", "--threads", "1",
+                    "--output", str(output)], check=True, cwd=root, capture_output=True, timeout=600)
+    rows = json.loads(output.read_text())["rows"]
+    assert len(rows) == 20
+    assert all(row["hf_bpd_bf16_row_invariant"] and row["hf_bpd_int8_row_invariant"] for row in rows)
