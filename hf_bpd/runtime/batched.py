@@ -30,8 +30,8 @@ from transformers.cache_utils import StaticCache
 
 from .attention import grouped_query_attention, uses_grouped_attention
 from .compiled import CACHE_BUCKET, MAX_COMPILED_SHAPES, _Patches
-from .guards import call_compiled, step_guards
 from .cost import weight_bytes
+from .guards import call_compiled, step_guards
 from .step import VerificationStep, compile_unsupported_reason, kv_layout, verification_cache
 
 MAX_CACHE_BYTES = 2 << 30  # the static caches of a base's batched runners, together (a batch past it: eager)

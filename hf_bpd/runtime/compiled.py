@@ -25,14 +25,14 @@ from torch import nn
 
 from ..kv_cache import CACHE_NAME
 from .attention import attention_implementation, grouped_query_attention, uses_grouped_attention
+from .guards import call_compiled, step_guards
 from .inlining import INDUCTOR_OPTIONS, compiler_options
 from .int8_heads import int8_heads_step, kernel_file
 from .ordered_attention import (ORDERED_ATTENTION, ORDERED_KERNEL_ATTENTION, block_key_order, identity_key_order,
                                 placed_key_order, uses_ordered_attention)
+from .packed_linear import packed_base
 from .prefetch import prefetching_gemm_template
 from .quiet import quiet_compilation
-from .guards import call_compiled, step_guards
-from .packed_linear import packed_base
 from .step import VerificationStep, kv_layout, verification_cache
 
 if TYPE_CHECKING:
