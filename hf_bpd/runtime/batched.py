@@ -31,7 +31,7 @@ from transformers.cache_utils import StaticCache
 from .attention import grouped_query_attention, uses_grouped_attention
 from .compiled import CACHE_BUCKET, MAX_COMPILED_SHAPES, _Patches
 from .cost import weight_bytes
-from .guards import call_compiled, step_guards
+from .guards import call_compiled, compile_step
 from .step import VerificationStep, compile_unsupported_reason, kv_layout, verification_cache
 
 MAX_CACHE_BYTES = 2 << 30  # the static caches of a base's batched runners, together (a batch past it: eager)
@@ -105,7 +105,7 @@ class BatchedRunner:
         past = int(self.cache.layers[0].cumulative_length)
         slots = torch.arange(past, past + width, device=tokens.device)
         if self._compiled is None:
-            self._compiled = torch.compile(self.step, dynamic=False, options={"guard_filter_fn": step_guards})
+            self._compiled = compile_step(self.step)
         with grouped_query_attention(self.base, self.grouped):
             done = call_compiled(self._compiled, tokens, positions, slots, mask) \
                 if width in self.compiled_widths else None

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..kv_cache import CACHE_NAME
 from .attention import attention_implementation, grouped_query_attention, uses_grouped_attention
-from .guards import call_compiled, step_guards
+from .guards import call_compiled, compile_step
 from .inlining import INDUCTOR_OPTIONS, compiler_options
 from .int8_heads import int8_heads_step, kernel_file
 from .ordered_attention import (ORDERED_ATTENTION, ORDERED_KERNEL_ATTENTION, block_key_order, identity_key_order,
@@ -179,7 +179,7 @@ class CompiledRunner:
     @property
     def compiled(self):
         if self._compiled is None:
-            self._compiled = torch.compile(self.step, dynamic=False, options={"guard_filter_fn": step_guards})
+            self._compiled = compile_step(self.step)
         return self._compiled
 
     def attention(self):

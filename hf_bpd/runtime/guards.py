@@ -37,3 +37,8 @@ def call_compiled(compiled, *args):
         if "Detected recompile" not in str(error):
             raise
         return None
+
+
+def compile_step(step):
+    """`torch.compile` of a verification step with `step_guards` (fixed shapes: one graph per block shape)."""
+    return torch.compile(step, dynamic=False, options={"guard_filter_fn": step_guards})
