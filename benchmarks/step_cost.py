@@ -25,6 +25,7 @@ import hf_bpd
 from hf_bpd.evaluation.bench import first_turn_inputs
 from hf_bpd.generation import drafting, verify
 from hf_bpd.runtime import compiled as verify_runtime
+from hf_bpd.runtime.compiled_verifier import CompiledVerifier
 from hf_bpd.lattice import Lattice
 
 TIMES = collections.defaultdict(float)
@@ -84,7 +85,7 @@ def main():
     rescorer = model.bundled_rescorers.get(args.rescorer) if args.rescorer != "none" else None
     if rescorer is not None:
         timed(type(rescorer), "rescore", "rescore")
-    verifier = verify.EagerVerifier if args.eager else verify_runtime.CompiledVerifier
+    verifier = verify.EagerVerifier if args.eager else CompiledVerifier
     timed(verifier, "verify", "verify")
     timed(verifier, "keep", "keep")
     timed(verifier, "prefill", "prefill")

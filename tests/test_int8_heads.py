@@ -108,6 +108,22 @@ def test_int8_drafts_stay_close_to_the_fp32_heads():
     assert same >= 0.9 * 150
 
 
+def test_bf16_heads_are_quantised_from_their_own_values():
+    """A bf16 model's heads (and output layer) are served too: the step is the one quantised from the same weights
+    held in fp32 (bf16 converts to fp32 exactly), and it reads the bf16 hidden state as fp32."""
+    model = random_heads_model("resblock", 1, "llama", None, hidden=64)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    assert unsupported_reason(bf16.heads) is None
+    step = Int8HeadsStep(bf16.heads, 16)
+    widened = Int8HeadsStep(copy.deepcopy(bf16).float().heads, 16)
+    generator = torch.Generator().manual_seed(6)
+    for _ in range(10):
+        hidden = torch.randn(model.config.hidden_size, generator=generator).to(torch.bfloat16)
+        values, indices = step(hidden)
+        want_values, want_indices = widened(hidden.float())
+        assert torch.equal(values, want_values) and torch.equal(indices, want_indices)
+
+
 @pytest.mark.parametrize("options", [{}, {"num_drafts": 3, "draft_top_k": 2}, {"tree": (2, 2, 1)},
                                      {"prompt_lookup": True}])
 def test_eager_decoding_with_int8_heads_is_exact(options):
@@ -132,7 +148,7 @@ def test_heads_the_kernel_cannot_serve_fall_back_with_a_warning():
     with pytest.warns(UserWarning, match="heads_int8 is not used .*sequential"):
         got = hydra.generate(ids, heads_int8=True, **kwargs)
     assert torch.equal(got, model.base_lm.generate(ids, **kwargs))
-    assert "float32" in unsupported_reason(copy.deepcopy(model).to(torch.bfloat16).heads)
+    assert "neither float32 nor bfloat16" in unsupported_reason(copy.deepcopy(model).to(torch.float16).heads)
 
 
 def test_heads_int8_must_be_a_bool():

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from hf_bpd import BlockwiseParallelForCausalLM, BPDConfigError, Int8WeightsConfig, quantize_int8_weights
 from hf_bpd.generation.tree import DraftTree
 from hf_bpd.runtime import compiled as verify_runtime
+from hf_bpd.runtime.compiled_verifier import CompiledVerifier
 from hf_bpd.runtime.int8_weights import Int8WeightLinear, has_int8_weights
 from tests.test_decoding import prompt_ids
 from tests.test_ordered_attention import assert_drafting_equals_plain, assert_tree_rows_equal_one_token_steps
@@ -147,12 +148,12 @@ def test_real_smollm2_layers_in_int8_round_a_block_like_one_token_steps(smollm2)
         with runner.lock, torch.no_grad():
             for start in range(0, 24, 8):
                 context = torch.cat([prompt, tokens[None, 40:40 + start]], 1)
-                verifier = verify_runtime.CompiledVerifier(model, runner)
+                verifier = CompiledVerifier(model, runner)
                 verifier.buckets = [1, 8]
                 verifier.prefill(context)
                 block, _ = verifier.verify(path[start], DraftTree([tuple(path[start + 1:start + 8])]), "cpu")
                 verifier.close(10 ** 9)
-                verifier = verify_runtime.CompiledVerifier(model, runner)
+                verifier = CompiledVerifier(model, runner)
                 verifier.prefill(context)
                 for step, token in enumerate(path[start:start + 8]):
                     logits, _ = verifier.verify(token, DraftTree([]), "cpu")

@@ -8,6 +8,7 @@ import torch
 
 from hf_bpd.generation.tree import DraftTree
 from hf_bpd.runtime import compiled as verify_runtime
+from hf_bpd.runtime.compiled_verifier import CompiledVerifier
 from hf_bpd.runtime.ordered_attention import block_key_order, ordered_attention_forward, placed_key_order
 from tests.test_decoding import prompt_ids, random_bpd
 
@@ -115,7 +116,7 @@ def assert_tree_rows_equal_one_token_steps(model, runner):
     path = [7, 8, 9]
     tree = DraftTree([(20, 21), tuple(path), (7, 30)])
     with runner.lock, torch.no_grad():
-        verifier = verify_runtime.CompiledVerifier(model, runner)
+        verifier = CompiledVerifier(model, runner)
         verifier.buckets = [1, 8]
         verifier.prefill(ids)
         block, _ = verifier.verify(5, tree, "cpu")
@@ -124,7 +125,7 @@ def assert_tree_rows_equal_one_token_steps(model, runner):
             node = tree.children[node][token]
             rows.append(node + 1)
         verifier.close(10 ** 9)
-        verifier = verify_runtime.CompiledVerifier(model, runner)
+        verifier = CompiledVerifier(model, runner)
         verifier.prefill(ids)
         for step, token in enumerate([5] + path):
             logits, _ = verifier.verify(token, DraftTree([]), "cpu")

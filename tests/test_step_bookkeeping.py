@@ -13,7 +13,8 @@ from transformers.generation import (EosTokenCriteria, MaxLengthCriteria, Stoppi
 
 from hf_bpd.generation.stopping import StopGuard
 from hf_bpd.generation.tree import DraftTree, GreedyRows, walk, walk_greedy
-from hf_bpd.runtime.compiled import CACHE_BUCKET, CompiledVerifier
+from hf_bpd.runtime.compiled import CACHE_BUCKET
+from hf_bpd.runtime.compiled_verifier import CompiledVerifier
 from tests.conftest import VOCAB
 
 

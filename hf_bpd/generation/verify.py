@@ -3,7 +3,7 @@
 Two verifiers share one interface (`prefill`, `verify`, `keep`, `close`), so the decoding loop is the same for both:
 
 * `EagerVerifier` (here) runs the base as it is, on the `DynamicCache` transformers prepared for the call.
-* `CompiledVerifier` (`hf_bpd.runtime.compiled`, `generate(..., compile=True)`) runs a compiled step on a reused
+* `CompiledVerifier` (`hf_bpd.runtime.compiled_verifier`, `generate(..., compile=True)`) runs a compiled step on a reused
   static cache: the base's artifact for this machine (`hf_bpd.runtime.artifacts`), else `torch.compile`;
   `compiled_verifier` below decides whether it can serve a call (while an artifact is being built in the
   background, calls verify eagerly).
@@ -22,7 +22,8 @@ from transformers.cache_utils import DynamicCache
 from ..kv_cache import CACHE_NAME
 from ..runtime.attention import grouped_query_attention, uses_grouped_attention
 from ..runtime import artifacts, background
-from ..runtime.compiled import ArtifactRunner, CompiledVerifier, compiled_runner
+from ..runtime.compiled import ArtifactRunner, compiled_runner
+from ..runtime.compiled_verifier import CompiledVerifier
 from ..runtime.step import compile_unsupported_reason
 from .tree import DraftTree, keep_accepted, tree_attention_masks
 

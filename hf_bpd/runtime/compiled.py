@@ -6,7 +6,8 @@ mask is a 4D tensor over the whole static cache (one buffer per call, of which e
 that changed). The cache holds the call's `max_length` plus one padded block, so the last step's padding stays inside
 it. One graph is compiled per block length, once per process. The prompt pass runs eagerly into the same static
 cache. Rejected tokens are rolled back by moving the accepted path's keys/values into place and resetting each
-layer's `cumulative_length` (a `StaticCache` writes at that counter, not at `cache_position`). `CompiledVerifier` has the interface of `hf_bpd.generation.verify.EagerVerifier`; the decoding loop picks one.
+layer's `cumulative_length` (a `StaticCache` writes at that counter, not at `cache_position`). The verifier that runs
+these steps for one call is `hf_bpd.runtime.compiled_verifier.CompiledVerifier`.
 """
 
 from __future__ import annotations
@@ -16,27 +17,21 @@ import itertools
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 import torch._dynamo.config as dynamo_config
 import torch._inductor.config as inductor_config
 from torch import nn
 
-from ..kv_cache import CACHE_NAME
 from .attention import attention_implementation, grouped_query_attention, uses_grouped_attention
 from .guards import call_compiled, compile_step
 from .inlining import INDUCTOR_OPTIONS, compiler_options
 from .int8_heads import int8_heads_step, kernel_file
-from .ordered_attention import (ORDERED_ATTENTION, ORDERED_KERNEL_ATTENTION, block_key_order, identity_key_order,
-                                placed_key_order, uses_ordered_attention)
+from .ordered_attention import ORDERED_ATTENTION, ORDERED_KERNEL_ATTENTION, identity_key_order, uses_ordered_attention
 from .packed_linear import packed_base
 from .prefetch import prefetching_gemm_template
 from .quiet import quiet_compilation
 from .step import VerificationStep, kv_layout, verification_cache
-
-if TYPE_CHECKING:
-    from ..generation.tree import DraftTree
 
 # Static caches hold a multiple of this many tokens. The attention kernel reads every slot (masked), so a smaller
 # cache is a cheaper step: SmolLM2's 4-token step measured 20.6 ms on 1,024 slots and 18.0 ms on 512
@@ -47,7 +42,6 @@ CACHE_BUCKET = 512
 # 19.8 / 20.3 / 21.9 ms for 1 / 4 / 5 / 8 tokens, `benchmarks/block_profile.py`); 9 start a second row tile.
 COMPILED_DRAFT_SLOTS = 7
 MAX_COMPILED_SHAPES = 64  # block lengths one runner may compile (dynamo's own limit is 8)
-MAX_TREE_PATTERNS = 4096  # tree shapes whose block masks one call keeps
 
 
 class _Patches(contextlib.ExitStack):
@@ -371,130 +365,3 @@ def discard_runners(base) -> None:
 
     artifacts.forget(base)
     packed_linear.forget(base)
-
-
-class CompiledVerifier:
-    """Verification with `CompiledRunner`'s compiled steps on its static cache (see the module docstring)."""
-
-    @property
-    def kind(self) -> str:
-        """What ran the last verification: "artifact", "compiled" or "eager" (a block longer than an artifact
-        serves, `ArtifactRunner`)."""
-        return self.runner.last_kind
-
-    def __init__(self, model, runner: CompiledRunner):
-        self.model, self.base, self.runner = model, model.base_lm, runner
-        self.cache = runner.cache
-        self.length = 0  # tokens in the cache
-        self.reused = 0  # prompt tokens the cache held from the last call (`prefill`)
-        self.buckets = [1]  # the compiled block lengths this call uses; a block is padded to the next one
-        self._masks: dict[int, list] = {}  # block length -> [mask buffer, open columns, written columns]
-        self._patterns: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # tree shape -> (depths, block mask)
-        self._aranges: dict[int, torch.Tensor] = {}
-
-    def prefill(self, input_ids: torch.Tensor, all_positions: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompt pass, eager, writing into the static cache (the call holds the runner's lock from here on).
-        The cache still holds the last call's context: with an fp32 base the prompt's longest prefix found there is
-        kept and only the rest runs (a growing conversation passes only its new turn). `all_positions`: the whole
-        prompt runs and the hidden states of every position come back, `(n, hidden_size)` (a feature-level drafter
-        reads them)."""
-        reused = self.runner.take_prefix(input_ids[0])
-        # Half precision rounds a prompt token's keys and values differently when it ran in another call's prompt
-        # pass (another block of rows), and greedy choices flip at its many near-ties: a call recomputes its prompt
-        # there, so its output never depends on the call before it. fp32 keeps the reuse (the near-tie referee
-        # settles what rounding could change).
-        reused = 0 if all_positions or self.base.dtype not in (torch.float32, torch.float64) else reused
-        self.runner.set_length(reused)
-        self.reused = reused
-        rest = input_ids[:, reused:]
-        positions = torch.arange(reused, input_ids.shape[1], device=input_ids.device)
-        extra = {"output_hidden_states": True} if all_positions else {}
-        with grouped_query_attention(self.base, self.runner.grouped):
-            out = self.model(input_ids=rest, **{CACHE_NAME: self.cache}, use_cache=True, cache_position=positions,
-                             position_ids=positions[None], return_head_logits=False, logits_to_keep=1, **extra)
-        self.length = input_ids.shape[1]
-        self.runner.set_length(self.length)
-        return out.logits[:, -1], out.hidden_states[-1][0] if all_positions else out.last_hidden_state[0, -1]
-
-    def verify(self, last_token: int, tree: DraftTree, device) -> tuple[torch.Tensor, torch.Tensor]:
-        q = len(tree) + 1
-        b = next((x for x in self.buckets if x >= q), q)  # the smallest compiled shape that holds the block
-        past = self.length
-        tokens = torch.tensor([[last_token] + tree.tokens + [0] * (b - q)], dtype=torch.long, device=device)
-        depths, block, order = self._block_pattern(tree, b, device)
-        mask = self._mask(b, past, block, device)
-        # ordered attention: each row reads its ancestors at their positions
-        maps = None if order is None else placed_key_order(order, past, self.runner.max_cache_len, device)
-        logits, hidden = self.runner.run(tokens, (past + depths)[None], past + self._arange(b, device), mask, maps)
-        return logits[0, :q], hidden[0, :q]
-
-    def _block_pattern(self, tree: DraftTree, b: int, device):
-        """`(depths (b,), additive mask (b, b), order)` of the block. Slot order (`order` None): each node sees the
-        root and its ancestors; padding rows see themselves only (no row may see nothing). Position order (ordered
-        attention): column `j` of row `i` is the row's position `past + j`, open up to the row's depth, and
-        `order = (slots, ranks)`: `slots[i, j]` is the block slot holding it (the row's ancestor at depth `j`, then the
-        row's other block slots in order, closed; padding rows read the block in slot order), `ranks` the inverse.
-        Kept per tree shape (a call meets few)."""
-        key = (b, tuple(tree.parents))
-        pattern = self._patterns.get(key)
-        if pattern is None:
-            q = len(tree) + 1
-            depths = torch.arange(b, dtype=torch.long)
-            depths[:q] = tree.block_depths()
-            order = None
-            if self.runner.ordered:
-                allowed = torch.arange(b)[None, :] <= depths[:, None]
-                order = tuple(t.to(device) for t in block_key_order(tree.parents, b))
-            else:
-                allowed = torch.eye(b, dtype=torch.bool)
-                allowed[:q, :q] = tree.ancestors_mask()
-            block = torch.zeros(b, b, dtype=self.base.dtype)
-            block.masked_fill_(~allowed, torch.finfo(self.base.dtype).min)
-            pattern = (depths.to(device), block.to(device), order)
-            if len(self._patterns) < MAX_TREE_PATTERNS:
-                self._patterns[key] = pattern
-        return pattern
-
-    def _arange(self, b: int, device) -> torch.Tensor:
-        if b not in self._aranges:
-            self._aranges[b] = torch.arange(b, device=device)
-        return self._aranges[b]
-
-    def _mask(self, b: int, past: int, block: torch.Tensor, device) -> torch.Tensor:
-        """The `(1, 1, b, max_cache_len)` additive mask over the static cache: the `past` cached tokens open to every
-        row, the block's own pattern after them, the rest closed. One buffer per block length, updated in place
-        from the last step's (only the columns that changed are written)."""
-        closed = torch.finfo(self.base.dtype).min
-        state = self._masks.get(b)
-        if state is None:
-            state = self._masks[b] = [torch.full((b, self.runner.max_cache_len), closed, dtype=self.base.dtype,
-                                                 device=device), 0, 0]
-        mask, opened, written = state  # columns [0, opened) are open; [opened, written) may hold an old block
-        if past > opened:
-            mask[:, opened:past] = 0.0
-        elif past < opened:
-            mask[:, past:opened] = closed
-        if written > past + b:
-            mask[:, past + b:written] = closed
-        mask[:, past:past + b] = block
-        state[1], state[2] = past, past + b
-        return mask[None, None]
-
-    def keep(self, block_length: int, kept: list[int]) -> None:
-        past = self.length
-        if kept != list(range(len(kept))):
-            source = torch.tensor(kept, device=self.cache.layers[0].keys.device) + past
-            target = past + torch.arange(len(kept), device=source.device)
-            for layer in self.cache.layers:
-                layer.keys.index_copy_(2, target, layer.keys.index_select(2, source))
-                layer.values.index_copy_(2, target, layer.values.index_select(2, source))
-        self.length = past + len(kept)
-        self.runner.set_length(self.length)
-
-    def close(self, length: int, sequence: torch.Tensor | None = None) -> object:
-        self.length = min(self.length, length - 1)
-        self.runner.set_length(self.length)
-        if sequence is not None:  # the next call may start from this context (`prefill`)
-            self.runner.context = sequence[0, :self.length].clone()
-            self.runner.context_stamp = next(_CALLS)
-        return None  # the static cache is the runner's, reused by the next call: it is not handed out

@@ -119,6 +119,9 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)  # quantised from their fp32 values (bf16 converts exactly)
+
+
 def unsupported_reason(heads) -> str | None:
     """Why `Int8HeadsStep` cannot run `heads` (None when it can)."""
     config = heads.config
@@ -129,12 +132,12 @@ def unsupported_reason(heads) -> str | None:
     params = list(heads.parameters())
     if any(p.device.type != "cpu" for p in params) or heads._output_embeddings[0].weight.device.type != "cpu":
         return "the heads are not on the CPU"
-    if any(p.dtype != torch.float32 for p in params):
-        return "the heads' weights are not float32"
+    if any(p.dtype not in _WEIGHT_DTYPES for p in params):
+        return "the heads' weights are neither float32 nor bfloat16"
     if heads.heads[0].projection is not None:
         return "the heads have their own output projections"
-    if heads._output_embeddings[0].weight.dtype != torch.float32:
-        return "the base's output layer is not float32"
+    if heads._output_embeddings[0].weight.dtype not in _WEIGHT_DTYPES:
+        return "the base's output layer is neither float32 nor bfloat16"
     return None
 
 

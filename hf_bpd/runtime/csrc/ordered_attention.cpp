@@ -12,7 +12,9 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -44,80 +46,156 @@ inline __m512 load_bf16(const at::BFloat16* p) {  // 16 bf16 -> fp32
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+inline __m512 load_bf16(const at::BFloat16* p, __mmask16 keep) {  // the lanes in `keep`, others 0
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, p)), 16));
+}
+
+// Lane j of the result is the sum of the 16 lanes of v[j], always added in the same tree (pairs of lanes, then
+// 128-bit halves, then across 128-bit blocks).
+inline __m512 sum_lanes16(const __m512* v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; ++i)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+constexpr int64_t kGroup = 4;  // query heads of one key/value head that share each value row's conversion
+
+struct Problem {
+    const at::BFloat16 *q, *k, *v, *mask;
+    const int64_t* order;  // (rows, slots) key slots by position, or null: position p is slot p
+    at::BFloat16* out;
+    int64_t heads, rows, slots, groups;
+    float scale;
+};
+
+// The attention of query heads [h0, h0 + count) (one key/value head) of row `r` in batch `b`, over positions
+// [0, length): NC chunks of 16 dims. Each head's arithmetic is the same whatever else shares the call, so a block's
+// row is bit-identical to that row alone.
+template <int NC>
+void attend(const Problem& pr, int64_t b, int64_t r, int64_t h0, int64_t count, int64_t length, float* weights) {
+    constexpr int NP = NC / 2, TAIL = NC % 2;  // 32 dims per vdpbf16ps; a 16-dim tail in the low half
+    constexpr int64_t dim = NC * 16;
+    const int64_t kvh = h0 / pr.groups, padded = (length + 15) / 16 * 16;
+    const at::BFloat16* kbase = pr.k + (b * (pr.heads / pr.groups) + kvh) * pr.slots * dim;
+    const at::BFloat16* vbase = pr.v + (b * (pr.heads / pr.groups) + kvh) * pr.slots * dim;
+    const at::BFloat16* mrow = pr.mask + (b * pr.rows + r) * pr.slots;
+    const int64_t* orow = pr.order ? pr.order + r * pr.slots : nullptr;
+    for (int64_t i = 0; i < count; ++i) {  // scores, then softmax weights, per head
+        const at::BFloat16* qrow = pr.q + ((b * pr.heads + h0 + i) * pr.rows + r) * dim;
+        __m512bh qv[NP + TAIL];
+        for (int c = 0; c < NP; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qrow + c * 32);
+        if (TAIL) qv[NP] = (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, qrow + NP * 32);
+        float* w = weights + i * padded;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t p0 = 0; p0 < padded; p0 += 16) {
+            const int64_t stop = std::min<int64_t>(16, length - p0);
+            __m512 parts[16];
+            for (int j = 0; j < 16; ++j) {
+                const at::BFloat16* krow = kbase + (j < stop ? (orow ? orow[p0 + j] : p0 + j) : 0) * dim;
+                __m512 dot = _mm512_setzero_ps();
+                for (int c = 0; c < NP; ++c)
+                    dot = _mm512_dpbf16_ps(dot, qv[c], (__m512bh)_mm512_loadu_si512(krow + c * 32));
+                if (TAIL)
+                    dot = _mm512_dpbf16_ps(dot, qv[NP], (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, krow + NP * 32));
+                parts[j] = dot;
+            }
+            const __mmask16 open = stop >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << stop) - 1);
+            __m512 s = _mm512_fmadd_ps(sum_lanes16(parts), _mm512_set1_ps(pr.scale), load_bf16(mrow + p0, open));
+            s = _mm512_mask_blend_ps(open, _mm512_set1_ps(-INFINITY), s);
+            _mm512_storeu_ps(w + p0, s);
+            top = _mm512_max_ps(top, s);
+        }
+        // softmax over positions: lane j adds positions j, j + 16, ... in order
+        const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        __m512 sums = _mm512_setzero_ps();
+        for (int64_t p0 = 0; p0 < padded; p0 += 16) {
+            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(w + p0), shift));
+            _mm512_storeu_ps(w + p0, e);
+            sums = _mm512_add_ps(sums, e);
+        }
+        const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sums));
+        for (int64_t p0 = 0; p0 < padded; p0 += 16)
+            _mm512_storeu_ps(w + p0, _mm512_div_ps(_mm512_loadu_ps(w + p0), total));
+    }
+    // values, 64 dims at a time: each head sums weight x value in position order
+    for (int d0 = 0; d0 < NC; d0 += 4) {
+        constexpr int W4 = NC < 4 ? NC : 4;
+        const int width = NC - d0 < W4 ? NC - d0 : W4;
+        __m512 acc[kGroup][W4];
+        for (int i = 0; i < kGroup; ++i)
+            for (int c = 0; c < W4; ++c) acc[i][c] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < length; ++p) {
+            const at::BFloat16* vrow = vbase + (orow ? orow[p] : p) * dim + d0 * 16;
+            __m512 val[W4];
+            for (int c = 0; c < W4; ++c) val[c] = c < width ? load_bf16(vrow + c * 16) : _mm512_setzero_ps();
+            for (int i = 0; i < kGroup; ++i) {
+                if (i >= count) break;
+                const __m512 weight = _mm512_set1_ps(weights[i * padded + p]);
+                for (int c = 0; c < W4; ++c) acc[i][c] = _mm512_fmadd_ps(weight, val[c], acc[i][c]);
+            }
+        }
+        for (int64_t i = 0; i < count; ++i) {
+            at::BFloat16* o = pr.out + ((b * pr.rows + r) * pr.heads + h0 + i) * dim + d0 * 16;
+            for (int c = 0; c < width; ++c)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[i][c]));
+        }
+    }
+}
+
+using Attend = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
+
+template <int... NC>
+Attend pick(int64_t chunks, std::integer_sequence<int, NC...>) {
+    Attend table[] = {attend<NC + 1>...};
+    return table[chunks - 1];
+}
+
 at::Tensor ordered_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                              const at::Tensor& mask, const c10::optional<at::Tensor>& key_slots, double scaling) {
     TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
-                    value.scalar_type() == at::kBFloat16, "ordered_attention: bf16 query, key and value");
+                    value.scalar_type() == at::kBFloat16 && mask.scalar_type() == at::kBFloat16,
+                "ordered_attention: bf16 query, key, value and mask");
     const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
     const int64_t kv_heads = key.size(1), slots = key.size(2);
-    TORCH_CHECK(dim % 16 == 0 && heads % kv_heads == 0, "ordered_attention: head dim a multiple of 16");
+    TORCH_CHECK(dim % 16 == 0 && dim <= 256 && heads % kv_heads == 0,
+                "ordered_attention: a head dim that is a multiple of 16, at most 256");
     TORCH_CHECK(mask.dim() == 4 && mask.size(0) == batch && mask.size(1) == 1 && mask.size(2) == rows &&
                     mask.size(3) == slots, "ordered_attention: an additive (batch, 1, rows, slots) mask");
-    const int64_t groups = heads / kv_heads;
-    at::Tensor q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
-    at::Tensor m = mask.to(at::kFloat).contiguous();
+    at::Tensor q = query.contiguous(), k = key.contiguous(), v = value.contiguous(), m = mask.contiguous();
     at::Tensor order;
     if (key_slots.has_value() && key_slots->defined()) order = key_slots->to(at::kLong).contiguous();
-    const float* mp = m.data_ptr<float>();
-    int64_t length = 0;  // positions past every open one are skipped
+    const at::BFloat16* mp = m.data_ptr<at::BFloat16>();
+    // Each row reads positions [0, its last open one]; later ones would only add exact zeros.
+    std::vector<int64_t> length(batch * rows, 0);
     for (int64_t i = 0; i < batch * rows; ++i)
-        for (int64_t p = slots - 1; p >= length; --p)
-            if (mp[i * slots + p] > kClosed) {
-                length = p + 1;
+        for (int64_t p = slots - 1; p >= 0; --p)
+            if (static_cast<float>(mp[i * slots + p]) > kClosed) {
+                length[i] = p + 1;
                 break;
             }
     at::Tensor out = at::empty({batch, rows, heads, dim}, query.options());
-    const at::BFloat16* qp = q.data_ptr<at::BFloat16>();
-    const at::BFloat16* kp = k.data_ptr<at::BFloat16>();
-    const at::BFloat16* vp = v.data_ptr<at::BFloat16>();
-    const int64_t* op = order.defined() ? order.data_ptr<int64_t>() : nullptr;
-    at::BFloat16* outp = out.data_ptr<at::BFloat16>();
-    const float scale = static_cast<float>(scaling);
-    const int64_t chunks = dim / 16, padded = (length + 15) / 16 * 16;
-    at::parallel_for(0, batch * heads * rows, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores(padded);
-        std::vector<__m512> acc(chunks);
+    const int64_t groups = heads / kv_heads, splits = (groups + kGroup - 1) / kGroup;
+    const Problem pr{q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), mp,
+                     order.defined() ? order.data_ptr<int64_t>() : nullptr, out.data_ptr<at::BFloat16>(),
+                     heads, rows, slots, groups, static_cast<float>(scaling)};
+    const Attend run = pick(dim / 16, std::make_integer_sequence<int, 16>{});
+    const int64_t most = (*std::max_element(length.begin(), length.end()) + 15) / 16 * 16;
+    // one unit: a row's query heads of one key/value head (up to kGroup of them)
+    at::parallel_for(0, batch * kv_heads * rows * splits, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> weights(kGroup * most);
         for (int64_t unit = begin; unit < end; ++unit) {
-            const int64_t b = unit / (heads * rows), h = unit / rows % heads, r = unit % rows, kvh = h / groups;
-            const at::BFloat16* qrow = qp + ((b * heads + h) * rows + r) * dim;
-            const at::BFloat16* kbase = kp + (b * kv_heads + kvh) * slots * dim;
-            const at::BFloat16* vbase = vp + (b * kv_heads + kvh) * slots * dim;
-            const float* mrow = mp + (b * rows + r) * slots;
-            const int64_t* orow = op ? op + r * slots : nullptr;
-            for (int64_t c = 0; c < chunks; ++c) acc[c] = load_bf16(qrow + c * 16);
-            float top = -INFINITY;
-            for (int64_t p = 0; p < length; ++p) {
-                const at::BFloat16* krow = kbase + (orow ? orow[p] : p) * dim;
-                __m512 dot = _mm512_mul_ps(acc[0], load_bf16(krow));
-                for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(acc[c], load_bf16(krow + c * 16), dot);
-                const float s = _mm512_reduce_add_ps(dot) * scale + mrow[p];
-                scores[p] = s;
-                top = s > top ? s : top;
-            }
-            for (int64_t p = length; p < padded; ++p) scores[p] = -INFINITY;
-            __m512 sums = _mm512_setzero_ps();  // lane j adds positions j, j + 16, ... in order
-            const __m512 shift = _mm512_set1_ps(top);
-            for (int64_t p = 0; p < padded; p += 16) {
-                __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + p), shift));
-                _mm512_storeu_ps(scores.data() + p, e);
-                sums = _mm512_add_ps(sums, e);
-            }
-            const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sums));
-            for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
-            for (int64_t p0 = 0; p0 < padded; p0 += 16) {
-                alignas(64) float w[16];
-                _mm512_store_ps(w, _mm512_div_ps(_mm512_loadu_ps(scores.data() + p0), total));
-                const int64_t stop = std::min<int64_t>(16, length - p0);
-                for (int64_t j = 0; j < stop; ++j) {
-                    const int64_t p = p0 + j;
-                    const at::BFloat16* vrow = vbase + (orow ? orow[p] : p) * dim;
-                    const __m512 weight = _mm512_set1_ps(w[j]);
-                    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(weight, load_bf16(vrow + c * 16), acc[c]);
-                }
-            }
-            at::BFloat16* orow_out = outp + ((b * rows + r) * heads + h) * dim;
-            for (int64_t c = 0; c < chunks; ++c)
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow_out + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[c]));
+            const int64_t split = unit % splits, r = unit / splits % rows, kvh = unit / (splits * rows) % kv_heads;
+            const int64_t b = unit / (splits * rows * kv_heads), first = split * kGroup;
+            const int64_t count = std::min<int64_t>(kGroup, groups - first);
+            run(pr, b, r, kvh * groups + first, count, length[b * rows + r], weights.data());
         }
     });
     return out;
