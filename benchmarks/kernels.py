@@ -1,7 +1,9 @@
 """hf_bpd's packed GEMM (`hf_bpd.runtime.packed_linear`) against PyTorch's CPU kernels on SmolLM2-135M's layer shapes:
 microseconds per call for 1, 4, 8 and 16 rows, random weights (in the CPU caches between calls: the output layer's
 56 MB excepted, this measures arithmetic, not memory), and whether each kernel's rows equal the same rows computed
-one by one (row invariance, what exact drafting in half precision needs).
+one by one (row invariance, what exact drafting in half precision needs). Then hf_bpd's ordered attention
+(`csrc/ordered_attention.cpp`) against PyTorch's `scaled_dot_product_attention` on one SmolLM2 layer's static cache
+(9 query heads, 3 key/value heads of 64 dims, 512 slots) with 160 and 400 positions in use.
 
     python benchmarks/kernels.py --threads 2 --output benchmarks/results/kernels_smollm2_amd_epyc.json
 """
@@ -33,6 +35,39 @@ def per_call_us(fn, repeats: int) -> float:
 def row_invariant(fn, x) -> bool:
     whole = fn(x)
     return all(torch.equal(whole[i], fn(x[i:i + 1])[0]) for i in range(len(x)))
+
+
+def attention_rows(repeats: int) -> list[dict]:
+    """Ordered attention vs SDPA over a 512-slot cache (a block of `rows` at `past`), with the row-invariance check:
+    each row of a block equals that row's query alone with its own mask row."""
+    import torch.nn.functional as F
+
+    slots, closed = 512, torch.finfo(torch.bfloat16).min
+    key = torch.randn(1, 3, slots, 64).to(torch.bfloat16)
+    value = torch.randn(1, 3, slots, 64).to(torch.bfloat16)
+    op = torch.ops.hf_bpd_kernels.ordered_attention
+    out = []
+    print("\n| attention, positions in use | rows | PyTorch SDPA (512 slots) | hf_bpd ordered attention |")
+    print("| --- | ---: | ---: | ---: |")
+    for past in (160, 400):
+        for m in (1, 8, 16):
+            query = torch.randn(1, m, 9, 64).to(torch.bfloat16).transpose(1, 2)
+            mask = torch.full((1, 1, m, slots), closed, dtype=torch.bfloat16)
+            for r in range(m):
+                mask[..., r, :past + r + 1] = 0
+            kernel = lambda q, mk: op(q, key, value, mk, None, 0.125)  # noqa: E731
+            sdpa = lambda: F.scaled_dot_product_attention(query, key, value, mask, scale=0.125,  # noqa: E731
+                                                         enable_gqa=True)
+            whole = kernel(query, mask)
+            invariant = all(torch.equal(whole[:, r], kernel(query[:, :, r:r + 1], mask[:, :, r:r + 1])[:, 0])
+                            for r in range(m))
+            row = {"shape": f"attention {past} positions", "rows": m, "torch_sdpa_us": per_call_us(sdpa, repeats),
+                   "hf_bpd_attention_us": per_call_us(lambda: kernel(query, mask), repeats),
+                   "hf_bpd_attention_row_invariant": invariant}
+            out.append(row)
+            print(f"| {past} | {m} | {row['torch_sdpa_us']:.1f} | {row['hf_bpd_attention_us']:.1f}"
+                  f"{'' if invariant else ' (rows differ)'} |")
+    return out
 
 
 def main():
@@ -73,6 +108,8 @@ def main():
                 cells = [f"{row[f'{key}_us']:.1f}{'' if row[f'{key}_row_invariant'] else ' (rows differ)'}"
                          for key in kernels]
                 print(f"| {name} | {m} | " + " | ".join(cells) + " |")
+    with torch.no_grad():
+        rows_out += attention_rows(args.repeats)
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": args.threads,

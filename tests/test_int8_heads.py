@@ -124,6 +124,26 @@ def test_bf16_heads_are_quantised_from_their_own_values():
         assert torch.equal(values, want_values) and torch.equal(indices, want_indices)
 
 
+def test_heads_over_an_int8_output_layer_are_served():
+    """An int8-weight base (`Int8WeightLinear` output layer): the step quantises the layer's dequantised rows, which
+    gives back its own int8 rows, so it equals the step over those rows held in bf16."""
+    from hf_bpd.runtime.int8_weights import Int8WeightLinear
+
+    model = copy.deepcopy(random_heads_model("ffn", 1, "llama", None, hidden=64)).to(torch.bfloat16)
+    rows = copy.deepcopy(model)
+    layer = Int8WeightLinear.from_linear(model.base_lm.lm_head)
+    model.base_lm.lm_head = layer
+    model.heads._output_embeddings[0] = layer
+    with torch.no_grad():
+        rows.base_lm.lm_head.weight.copy_(layer.dequantized_weight())
+    assert unsupported_reason(model.heads) is None
+    step, want = Int8HeadsStep(model.heads, 8), Int8HeadsStep(rows.heads, 8)
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(10):
+        hidden = torch.randn(model.config.hidden_size, generator=generator).to(torch.bfloat16)
+        assert all(torch.equal(a, b) for a, b in zip(step(hidden), want(hidden)))
+
+
 @pytest.mark.parametrize("options", [{}, {"num_drafts": 3, "draft_top_k": 2}, {"tree": (2, 2, 1)},
                                      {"prompt_lookup": True}])
 def test_eager_decoding_with_int8_heads_is_exact(options):

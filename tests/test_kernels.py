@@ -120,6 +120,21 @@ def test_packed_base_shares_the_weights_and_leaves_the_base_as_loaded(kernel_mod
     assert packed_base(base) is not clone
 
 
+def test_the_compiled_prompt_pass_runs_the_packed_kernels(kernel_model):
+    """The prompt pass of a compiled call runs the packed module tree (plain and drafted decoding share it): its
+    logits and hidden state are the packed tree's own, bit for bit, and its keys and values fill the static cache."""
+    from hf_bpd.runtime.compiled_verifier import CompiledVerifier
+
+    base = kernel_model.base_lm
+    runner = verify_runtime.compiled_runner(base, 64)
+    ids = prompt_ids(4, 9)
+    with runner.lock, torch.no_grad():
+        logits, hidden = CompiledVerifier(kernel_model, runner).prefill(ids)
+        want = packed_base(base)(input_ids=ids, output_hidden_states=True)
+        assert torch.equal(logits, want.logits[:, -1]) and torch.equal(hidden, want.hidden_states[-1][0, -1])
+        assert runner.cache.layers[0].keys[0, :, :9].abs().sum() > 0
+
+
 def test_compiled_kernel_steps_round_a_tree_block_like_one_token_steps(kernel_model):
     from tests.test_ordered_attention import assert_tree_rows_equal_one_token_steps
 
@@ -145,11 +160,14 @@ def test_the_random_heads_get_drafts_accepted(kernel_model):
 
 
 def test_kernel_benchmark_smoke(tmp_path):
-    """`benchmarks/kernels.py` runs, and finds hf_bpd's kernels row-invariant on every SmolLM2 shape."""
+    """`benchmarks/kernels.py` runs, and finds hf_bpd's kernels row-invariant on every SmolLM2 shape (GEMMs and
+    attention)."""
     root = Path(__file__).resolve().parents[1]
     output = tmp_path / "kernels.json"
     subprocess.run([sys.executable, str(root / "benchmarks" / "kernels.py"), "--repeats", "1", "--threads", "1",
                     "--output", str(output)], check=True, cwd=root, capture_output=True, timeout=600)
     rows = json.loads(output.read_text())["rows"]
-    assert len(rows) == 20
-    assert all(row["hf_bpd_bf16_row_invariant"] and row["hf_bpd_int8_row_invariant"] for row in rows)
+    gemms = [row for row in rows if not row["shape"].startswith("attention")]
+    assert len(gemms) == 20 and len(rows) == 26
+    assert all(row["hf_bpd_bf16_row_invariant"] and row["hf_bpd_int8_row_invariant"] for row in gemms)
+    assert all(row["hf_bpd_attention_row_invariant"] for row in rows[20:])

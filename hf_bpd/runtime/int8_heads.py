@@ -136,8 +136,9 @@ def unsupported_reason(heads) -> str | None:
         return "the heads' weights are neither float32 nor bfloat16"
     if heads.heads[0].projection is not None:
         return "the heads have their own output projections"
-    if heads._output_embeddings[0].weight.dtype not in _WEIGHT_DTYPES:
-        return "the base's output layer is neither float32 nor bfloat16"
+    output = heads._output_embeddings[0]  # hf_bpd's int8 layers give their dequantised rows (`heads.py`)
+    if output.weight.dtype not in _WEIGHT_DTYPES and not hasattr(output, "dequantized_weight"):
+        return "the base's output layer is neither float32, bfloat16 nor hf_bpd's int8"
     return None
 
 
