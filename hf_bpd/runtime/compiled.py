@@ -288,6 +288,11 @@ class CompiledRunner:
         self.context, other.context = other.context, None
         self.context_stamp = other.context_stamp
 
+    def keep_context(self, tokens: torch.Tensor) -> None:
+        """A call ended with `tokens`' keys/values in the cache: the next call may continue from them."""
+        self.context = tokens
+        self.context_stamp = next(_CALLS)
+
     def set_length(self, length: int) -> None:
         for layer in self.cache.layers:
             if getattr(layer, "is_initialized", False):

@@ -12,7 +12,7 @@ import torch
 
 from ..kv_cache import CACHE_NAME
 from .attention import grouped_query_attention
-from .compiled import _CALLS, CompiledRunner
+from .compiled import CompiledRunner
 from .ordered_attention import block_key_order, placed_key_order
 
 if TYPE_CHECKING:
@@ -41,7 +41,8 @@ class CompiledVerifier:
         self._aranges: dict[int, torch.Tensor] = {}
 
     def prefill(self, input_ids: torch.Tensor, all_positions: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompt pass, eager, writing into the static cache (the call holds the runner's lock from here on).
+        """The prompt pass, not compiled, writing into the static cache (the call holds the runner's lock from here
+        on): through the runner's packed module tree where it has one (hf_bpd's kernels), else the model as loaded.
         The cache still holds the last call's context: with an fp32 base the prompt's longest prefix found there is
         kept and only the rest runs (a growing conversation passes only its new turn). `all_positions`: the whole
         prompt runs and the hidden states of every position come back, `(n, hidden_size)` (a feature-level drafter
@@ -56,8 +57,8 @@ class CompiledVerifier:
         self.reused = reused
         rest = input_ids[:, reused:]
         positions = torch.arange(reused, input_ids.shape[1], device=input_ids.device)
-        packed = getattr(self.runner, "packed", None)
         with grouped_query_attention(self.base, self.runner.grouped):
+            packed = self.runner.packed
             if packed is not None:  # hf_bpd's kernels (the hidden states' last entry is the final, normed one)
                 out = packed(input_ids=rest, **{CACHE_NAME: self.cache}, use_cache=True, cache_position=positions,
                              position_ids=positions[None], logits_to_keep=1, output_hidden_states=True)
@@ -151,6 +152,5 @@ class CompiledVerifier:
         self.length = min(self.length, length - 1)
         self.runner.set_length(self.length)
         if sequence is not None:  # the next call may start from this context (`prefill`)
-            self.runner.context = sequence[0, :self.length].clone()
-            self.runner.context_stamp = next(_CALLS)
+            self.runner.keep_context(sequence[0, :self.length].clone())
         return None  # the static cache is the runner's, reused by the next call: it is not handed out
