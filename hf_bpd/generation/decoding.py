@@ -32,6 +32,7 @@ from ..limits import MAX_COST_SCHEDULE_BLOCK
 from ..rescorers.base import HeadScoreRescorer
 from ..rescorers.registry import resolve_rescorer
 from ..runtime.compiled import COMPILED_DRAFT_SLOTS, discard_runners, head_top_k
+from ..runtime.frame_stack import on_fresh_frame_stack
 from ..runtime.int8_heads import int8_heads_step
 from .batch import decode_batch
 from .budget import SCHEDULES, DraftBudget, HeadCalibration, eager_costs
@@ -251,7 +252,15 @@ def check_supported(input_ids, generation_config, model_kwargs, compiled: bool =
 @torch.no_grad()
 def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, *,
                        plan: DecodingPlan, **model_kwargs):
-    """The `custom_generate` decoding method: draft, verify, accept until a stopping criterion holds."""
+    """The `custom_generate` decoding method: draft, verify, accept until a stopping criterion holds. It runs on a
+    frame-stack chunk of its own (`hf_bpd.runtime.frame_stack`): a step's speed does not depend on the caller's stack
+    depth."""
+    return on_fresh_frame_stack(_blockwise_decoding, model, input_ids, logits_processor, stopping_criteria,
+                                generation_config, plan=plan, **model_kwargs)
+
+
+def _blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, *,
+                        plan: DecodingPlan, **model_kwargs):
     check_supported(input_ids, generation_config, model_kwargs, compiled=plan.compile)
     if isinstance(plan.drafter, FeatureChainDrafter) and input_ids.shape[0] > 1:
         raise BPDConfigError(f"drafter='feature' decodes one prompt at a time, got {input_ids.shape[0]}: pass one "

@@ -28,6 +28,7 @@ from .guards import call_compiled, compile_step
 from .inlining import INDUCTOR_OPTIONS, compiler_options
 from .int8_heads import int8_heads_step, kernel_file
 from .ordered_attention import ORDERED_ATTENTION, ORDERED_KERNEL_ATTENTION, identity_key_order, uses_ordered_attention
+from .frame_stack import on_fresh_frame_stack
 from .packed_linear import packed_base
 from .prefetch import prefetching_gemm_template
 from .quiet import quiet_compilation
@@ -255,15 +256,21 @@ class CompiledRunner:
                 mask = torch.zeros(1, 1, b, self.max_cache_len, dtype=self.base.dtype, device=device)
                 positions = past + torch.arange(b, device=device)
                 tokens = torch.zeros(1, b, dtype=torch.long, device=device)
-                times = []
-                for _ in range(6):  # the first call compiles; the others time the step, for draft_schedule="cost"
-                    self.set_length(past)
-                    start = time.perf_counter()
-                    self.run(tokens, positions[None], positions, mask)
-                    times.append(time.perf_counter() - start)
+                # the first call compiles; the others time the step (for draft_schedule="cost"), on a frame-stack
+                # chunk of their own, as decoding runs it (`hf_bpd.runtime.frame_stack`)
+                times = on_fresh_frame_stack(self._time_step, 6, past, tokens, positions, mask)
                 self.bucket_ms[b] = 1000 * sorted(times[1:])[2]
             self.reset()
         return dict(self.compiled_buckets)
+
+    def _time_step(self, calls: int, past: int, tokens, positions, mask) -> list[float]:
+        times = []
+        for _ in range(calls):
+            self.set_length(past)
+            start = time.perf_counter()
+            self.run(tokens, positions[None], positions, mask)
+            times.append(time.perf_counter() - start)
+        return times
 
     def take_prefix(self, prompt: torch.Tensor) -> int:
         """How many leading tokens of `prompt` (1D) the cache holds from the last call (`context`), at most all but

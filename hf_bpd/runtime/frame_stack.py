@@ -1,0 +1,40 @@
+"""Decoding on a fresh chunk of CPython's frame stack, so that a step's speed does not depend on the caller's stack depth.
+
+CPython 3.11+ keeps Python frames on a per-thread data stack made of chunks (16 KiB and up). A call whose frame does
+not fit in the current chunk maps a new chunk (`mmap`), and its return unmaps it. When a caller's stack depth puts a
+chunk boundary inside the loop of a decoding step, every step maps and unmaps chunks and faults their pages in again.
+Measured on SmolLM2 with int8 weights (AMD EPYC, AVX-512, 2 threads; compiled plain decoding of one dev prompt, 64
+tokens, called under 4, 5 and 6 extra Python frames): under 5 frames a token took 15.9 ms instead of 10.3 ms, with
+237 page faults per token (0 to 3 at the other depths). On a fresh chunk: 10.0 to 10.5 ms and no faults at every
+depth.
+
+`on_fresh_frame_stack(fn, ...)` calls `fn` from a trampoline whose frame is declared large (`co_stacksize`), so
+CPython starts a new chunk for it that leaves `RESERVED_BYTES` free for `fn` and everything it calls, whatever the
+depth of the caller. The chunk is mapped once per call; its pages are touched only as frames use them. Older Pythons
+(heap-allocated frames) call `fn` directly.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+RESERVED_BYTES = 1 << 20  # the trampoline's declared frame: its chunk holds at least this much for the callees
+
+
+def _trampoline(fn, args, kwargs):
+    return fn(*args, **kwargs)
+
+
+if sys.version_info >= (3, 11):
+    # a larger co_stacksize only makes CPython reserve more value-stack slots in the frame (never read)
+    _code = _trampoline.__code__
+    _trampoline = types.FunctionType(_code.replace(co_stacksize=_code.co_stacksize + RESERVED_BYTES // 8),
+                                     globals(), "_trampoline")
+
+
+def on_fresh_frame_stack(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, with its frames on a frame-stack chunk of their own (see the module docstring)."""
+    if sys.version_info < (3, 11):
+        return fn(*args, **kwargs)
+    return _trampoline(fn, args, kwargs)
