@@ -24,11 +24,11 @@ import torch._inductor.config as inductor_config
 from torch import nn
 
 from .attention import attention_implementation, grouped_query_attention, uses_grouped_attention
+from .frame_stack import on_fresh_frame_stack
 from .guards import call_compiled, compile_step
 from .inlining import INDUCTOR_OPTIONS, compiler_options
 from .int8_heads import int8_heads_step, kernel_file
 from .ordered_attention import ORDERED_ATTENTION, ORDERED_KERNEL_ATTENTION, identity_key_order, uses_ordered_attention
-from .frame_stack import on_fresh_frame_stack
 from .packed_linear import packed_base
 from .prefetch import prefetching_gemm_template
 from .quiet import quiet_compilation
