@@ -22,6 +22,10 @@ def test_the_budget_verifies_what_pays_for_itself():
     eager = DraftBudget({1: 70.0, 2: 120.0, 3: 122.0, 4: 124.0, 5: 126.0})
     assert eager.choose([0.3, 0.2, 0.1, 0.1]) == 0
     assert eager.choose([0.9, 0.8, 0.7, 0.6]) == 4
+    # noisy measurements: a longer block is never charged less than a shorter one, so drafts that cannot pay are
+    # not verified because their length happened to time faster
+    noisy = DraftBudget({1: 10.0, 2: 9.6, 3: 9.9, 4: 9.5})
+    assert noisy.costs == {1: 10.0, 2: 10.0, 3: 10.0, 4: 10.0} and noisy.choose([0.0, 0.0, 0.0]) == 0
     # measured buckets only: a block is charged at the next compiled length that holds it
     buckets = DraftBudget({1: 18.0, 5: 25.0})
     assert buckets.choose([0.9, 0.9, 0.9, 0.9]) == 4 and buckets.choose([0.1, 0.1, 0.1, 0.1]) == 0
@@ -338,6 +342,20 @@ def test_the_switch_keeps_drafting_where_drafts_pay():
     assert switch.drafting and switch.switches == 0
 
 
+def test_one_slow_step_does_not_lock_the_switch_out_of_drafting():
+    from hf_bpd.generation.step_switch import StepSwitch
+
+    switch = StepSwitch(plain_ms=10.0)
+    switch.record(True, 4, 0.500, list(range(10)))  # the call's first drafted step: one-off costs, not timed
+    assert switch.draft_ms is None and switch.drafting
+    switch.record(True, 4, 0.015, list(range(10)))
+    switch.record(True, 4, 0.300, list(range(10)))  # a stall counts as twice the average at most
+    assert switch.draft_ms == pytest.approx(0.75 * 15 + 0.25 * 30) and switch.drafting and switch.switches == 0
+    for _ in range(6):  # slow steps that persist are learned
+        switch.record(True, 1, 0.060, list(range(10)))
+    assert not switch.drafting
+
+
 @pytest.mark.parametrize("options", [{}, {"rescorer": "oracle"}, {"tree": (2, 2, 1)}, {"prompt_lookup": True}])
 def test_switch_schedule_decodes_exactly(one_thread, options):
     """Random heads draft badly: the call falls back to plain steps (and still drafts now and then); the oracle's
@@ -346,7 +364,7 @@ def test_switch_schedule_decodes_exactly(one_thread, options):
     for stats in schedule_runs("switch", options, 40):
         assert stats.plain_steps == sum(1 for n in stats.draft_tokens[1:] if n == 0)
         plain_steps.append(stats.plain_steps)
-    if options.get("rescorer") == "oracle":
-        assert plain_steps == [0, 0, 0]
+    if options.get("rescorer") == "oracle":  # timing noise may cost a plain step or two, never a lock-out
+        assert max(plain_steps) <= 2, plain_steps
     else:
         assert min(plain_steps) > 0

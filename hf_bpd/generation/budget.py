@@ -155,7 +155,12 @@ class DraftBudget:
     def __init__(self, costs: dict[int, float], calibration: HeadCalibration | None = None):
         if 1 not in costs:
             raise ValueError("the cost table needs the one-token forward")
-        self.costs = dict(sorted(costs.items()))
+        # A longer block is never charged less than a shorter one: measured costs of nearly equal lengths differ by
+        # noise, and noise must not make verifying more drafted tokens look cheaper than verifying fewer.
+        self.costs, highest = {}, 0.0
+        for length, ms in sorted(costs.items()):
+            highest = max(highest, float(ms))
+            self.costs[length] = highest
         self.calibration = calibration
 
     def choose(self, probs: list[float], overhead_ms: float = 0.0, block_cost=None) -> int:

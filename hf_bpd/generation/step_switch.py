@@ -6,7 +6,10 @@ draft tokens plus the base's own); a plain step costs one one-token forward (`t_
 Drafting pays while `g / t_draft > 1 / t_plain`; the call leaves either mode only when the other is expected to
 be `MARGIN` faster. Both times are the call's own measured step times (moving
 averages; a plain step's starts from the compiled one-token step's timing, or the eager cost table, until one ran),
-and `g` is a moving average of the tokens per drafted step, starting from `PRIOR_TOKENS`. So on text the drafts
+and `g` is a moving average of the tokens per drafted step, starting from `PRIOR_TOKENS`. The first drafted step of a
+call is not timed (it carries one-off costs: caches cold after setup, first shapes), and a step timed over
+`OUTLIER` times its mode's average counts as `OUTLIER` times it, so one slow step (a page-fault burst, the other
+core busy) moves an average by a bounded amount and cannot lock the call out of drafting. So on text the drafts
 predict well every step drafts (as `"fixed"`), and on text they predict badly the call falls back to plain steps
 after a few drafted steps instead of paying for blocks that are mostly rejected.
 
@@ -25,6 +28,7 @@ PRIOR_TOKENS = 2.0  # tokens per drafted step assumed before any was measured: t
 WEIGHT = 0.25  # moving averages: the weight of the newest step
 MARGIN = 0.05  # leave a mode only when the other is expected to be 5 % faster (no flapping at break-even)
 PROBE_EVERY = 6  # plain steps per shadow draft
+OUTLIER = 2.0  # a step's time counts at most this multiple of its mode's average
 
 
 class StepSwitch:
@@ -34,14 +38,15 @@ class StepSwitch:
     def __init__(self, plain_ms: float):
         self.gain = PRIOR_TOKENS
         self.plain_ms = float(plain_ms)
-        self.draft_ms: float | None = None  # measured on the first drafted step
+        self.draft_ms: float | None = None  # measured from the second drafted step on
+        self.drafted_steps = 0
         self.drafting = True
         self.plain_steps = 0  # since the last shadow draft
         self.probe: tuple[list[tuple[int, ...]], int] | None = None  # (drafts, where they start in the tokens)
         self.switches = 0
 
     def _average(self, old: float, new: float) -> float:
-        return (1 - WEIGHT) * old + WEIGHT * new
+        return (1 - WEIGHT) * old + WEIGHT * min(new, OUTLIER * old)
 
     def _pays(self, margin: float) -> bool:
         if self.draft_ms is None:
@@ -63,8 +68,10 @@ class StepSwitch:
         """After a step: whether it drafted, the tokens it decoded, its time, and every token decoded so far."""
         ms = 1000 * seconds
         if drafted:
-            self.gain = self._average(self.gain, tokens)
-            self.draft_ms = ms if self.draft_ms is None else self._average(self.draft_ms, ms)
+            self.gain = (1 - WEIGHT) * self.gain + WEIGHT * tokens
+            self.drafted_steps += 1
+            if self.drafted_steps > 1:  # the first carries one-off costs
+                self.draft_ms = ms if self.draft_ms is None else self._average(self.draft_ms, ms)
         else:
             self.plain_ms = self._average(self.plain_ms, ms)
             self.plain_steps += 1
@@ -82,5 +89,5 @@ class StepSwitch:
             return
         actual = decoded[start:start + longest]
         accepted = max(shadow_accepted(list(d), actual)[1] for d in drafts)
-        self.gain = self._average(self.gain, accepted + 1)
+        self.gain = (1 - WEIGHT) * self.gain + WEIGHT * (accepted + 1)
         self.probe = None
