@@ -75,7 +75,12 @@ def test_cost_schedule_decodes_exactly(one_thread, options):
         assert len(stats.draft_probs) == stats.serial_calls - 1
 
 
-def test_the_calibration_steers_how_much_is_verified(one_thread):
+def test_the_calibration_steers_how_much_is_verified(one_thread, monkeypatch):
+    import hf_bpd.generation.decoding as decoding
+
+    # forced costs (a tiny base's measured ones are nearly flat and noisy on a loaded machine): longer blocks cost a
+    # little more, so only the calibration decides whether drafts pay
+    monkeypatch.setattr(decoding, "eager_costs", lambda base, n, **_: {k: 10.0 + 0.5 * k for k in range(1, n + 1)})
     model = random_bpd("llama", 4)
     ids = prompt_ids(5, 6)
     kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
@@ -356,15 +361,26 @@ def test_one_slow_step_does_not_lock_the_switch_out_of_drafting():
     assert not switch.drafting
 
 
+def test_a_stale_plain_cost_is_capped_by_the_drafted_steps():
+    from hf_bpd.generation.step_switch import StepSwitch
+
+    switch = StepSwitch(plain_ms=50.0)  # a one-token cost measured when the machine was busy
+    for _ in range(4):  # drafted steps of 10 ms, 4 of them drafting, one token each: a plain step costs <= 6 ms
+        switch.record(True, 1, 0.010, list(range(10)), drafting_seconds=0.004)
+    assert switch.plain_ms == pytest.approx(6.0) and not switch.drafting
+
+
 @pytest.mark.parametrize("options", [{}, {"rescorer": "oracle"}, {"tree": (2, 2, 1)}, {"prompt_lookup": True}])
 def test_switch_schedule_decodes_exactly(one_thread, options):
     """Random heads draft badly: the call falls back to plain steps (and still drafts now and then); the oracle's
-    drafts pay: every step drafts. The tokens are the base's either way."""
+    drafts pay: the call drafts (a stall may cost a few plain steps). The tokens are the base's either way."""
+    from hf_bpd.generation.step_switch import PROBE_EVERY
+
     plain_steps = []
     for stats in schedule_runs("switch", options, 40):
         assert stats.plain_steps == sum(1 for n in stats.draft_tokens[1:] if n == 0)
         plain_steps.append(stats.plain_steps)
-    if options.get("rescorer") == "oracle":  # timing noise may cost a plain step or two, never a lock-out
-        assert max(plain_steps) <= 2, plain_steps
+    if options.get("rescorer") == "oracle":  # timing noise may cost a few plain steps, never a lock-out (~30)
+        assert max(plain_steps) <= PROBE_EVERY, plain_steps
     else:
         assert min(plain_steps) > 0

@@ -381,7 +381,8 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
                                   block_cost=lambda k: 1 + len({d[:j] for d in drafts for j in range(1, k + 1)}))
             drafts = _within(drafts, depth)
         tree = DraftTree(drafts)
-        stats.draft_seconds += time.perf_counter() - start
+        drafting = time.perf_counter() - start
+        stats.draft_seconds += drafting
 
         block_logits, block_hidden = verifier.verify(int(sequence[0, -1]), tree, sequence.device)
         stats.verifier_steps[verifier.kind] = stats.verifier_steps.get(verifier.kind, 0) + 1
@@ -412,7 +413,7 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
         stats.draft_tokens.append(len(tree))
         decoded.accept(tokens, step_logits, step_scores)
         if switch is not None:
-            switch.record(len(tree) > 0, len(path) + 1, time.perf_counter() - start, decoded.tokens)
+            switch.record(len(tree) > 0, len(path) + 1, time.perf_counter() - start, decoded.tokens, drafting)
 
     sequence = decoded.sequence
     cache = verifier.close(sequence.shape[1], sequence)

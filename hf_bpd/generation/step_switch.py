@@ -5,7 +5,8 @@ A drafted step costs its drafting plus a forward over the block (`t_draft` ms) a
 draft tokens plus the base's own); a plain step costs one one-token forward (`t_plain` ms) and yields one token.
 Drafting pays while `g / t_draft > 1 / t_plain`; the call leaves either mode only when the other is expected to
 be `MARGIN` faster. Both times are the call's own measured step times (moving
-averages; a plain step's starts from the compiled one-token step's timing, or the eager cost table, until one ran),
+averages; a plain step's starts from the compiled one-token step's timing, or the eager cost table, until one ran,
+and is capped by a timed drafted step less its drafting: a one-token forward costs no more than a block's),
 and `g` is a moving average of the tokens per drafted step, starting from `PRIOR_TOKENS`. The first drafted step of a
 call is not timed (it carries one-off costs: caches cold after setup, first shapes), and a step timed over
 `OUTLIER` times its mode's average counts as `OUTLIER` times it, so one slow step (a page-fault burst, the other
@@ -40,6 +41,7 @@ class StepSwitch:
         self.plain_ms = float(plain_ms)
         self.draft_ms: float | None = None  # measured from the second drafted step on
         self.drafted_steps = 0
+        self.plain_measured = False
         self.drafting = True
         self.plain_steps = 0  # since the last shadow draft
         self.probe: tuple[list[tuple[int, ...]], int] | None = None  # (drafts, where they start in the tokens)
@@ -64,15 +66,20 @@ class StepSwitch:
         if drafts:
             self.probe = ([tuple(d) for d in drafts], decoded)
 
-    def record(self, drafted: bool, tokens: int, seconds: float, decoded: list[int]) -> None:
-        """After a step: whether it drafted, the tokens it decoded, its time, and every token decoded so far."""
+    def record(self, drafted: bool, tokens: int, seconds: float, decoded: list[int],
+               drafting_seconds: float = 0.0) -> None:
+        """After a step: whether it drafted, the tokens it decoded, its time, every token decoded so far, and the
+        part of its time spent drafting."""
         ms = 1000 * seconds
         if drafted:
             self.gain = (1 - WEIGHT) * self.gain + WEIGHT * tokens
             self.drafted_steps += 1
             if self.drafted_steps > 1:  # the first carries one-off costs
                 self.draft_ms = ms if self.draft_ms is None else self._average(self.draft_ms, ms)
+                if not self.plain_measured:  # the prior may be stale: a plain step costs at most this step's rest
+                    self.plain_ms = min(self.plain_ms, max(ms - 1000 * drafting_seconds, 1e-3))
         else:
+            self.plain_measured = True
             self.plain_ms = self._average(self.plain_ms, ms)
             self.plain_steps += 1
             self._score_probe(decoded)
