@@ -382,5 +382,5 @@ def test_switch_schedule_decodes_exactly(one_thread, options):
         plain_steps.append(stats.plain_steps)
     if options.get("rescorer") == "oracle":  # timing noise may cost a few plain steps, never a lock-out (~30)
         assert max(plain_steps) <= PROBE_EVERY, plain_steps
-    else:
+    elif not options.get("prompt_lookup"):  # (a random base repeats itself: copies of it may pay, so no claim)
         assert min(plain_steps) > 0
