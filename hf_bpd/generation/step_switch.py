@@ -48,7 +48,11 @@ class StepSwitch:
         self.switches = 0
 
     def _average(self, old: float, new: float) -> float:
-        return (1 - WEIGHT) * old + WEIGHT * min(new, OUTLIER * old)
+        return (1 - WEIGHT) * old + WEIGHT * new
+
+    def _time_average(self, old: float, new_ms: float) -> float:
+        """A mode's step-time average after a step of `new_ms` (counted as `OUTLIER` times the average at most)."""
+        return self._average(old, min(new_ms, OUTLIER * old))
 
     def _pays(self, margin: float) -> bool:
         if self.draft_ms is None:
@@ -72,15 +76,15 @@ class StepSwitch:
         part of its time spent drafting."""
         ms = 1000 * seconds
         if drafted:
-            self.gain = (1 - WEIGHT) * self.gain + WEIGHT * tokens
+            self.gain = self._average(self.gain, tokens)
             self.drafted_steps += 1
             if self.drafted_steps > 1:  # the first carries one-off costs
-                self.draft_ms = ms if self.draft_ms is None else self._average(self.draft_ms, ms)
+                self.draft_ms = ms if self.draft_ms is None else self._time_average(self.draft_ms, ms)
                 if not self.plain_measured:  # the prior may be stale: a plain step costs at most this step's rest
                     self.plain_ms = min(self.plain_ms, max(ms - 1000 * drafting_seconds, 1e-3))
         else:
             self.plain_measured = True
-            self.plain_ms = self._average(self.plain_ms, ms)
+            self.plain_ms = self._time_average(self.plain_ms, ms)
             self.plain_steps += 1
             self._score_probe(decoded)
         before = self.drafting  # hysteresis: leave either mode only when the other is clearly faster
@@ -96,5 +100,5 @@ class StepSwitch:
             return
         actual = decoded[start:start + longest]
         accepted = max(shadow_accepted(list(d), actual)[1] for d in drafts)
-        self.gain = (1 - WEIGHT) * self.gain + WEIGHT * (accepted + 1)
+        self.gain = self._average(self.gain, accepted + 1)
         self.probe = None
