@@ -87,3 +87,19 @@ def test_one_token_under_compile_reads_the_grouped_heads_like_the_repeated_ones(
         outs.append(traced(query, key, value, mask))
     torch._dynamo.reset()
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("rows, q", [(3, 2), (2, 5)])
+def test_batched_attention_equals_grouped_sdpa(rows, q):
+    """A drafted batch step's attention as two GEMMs and a softmax (`batched_attention_forward`): the same numbers
+    as PyTorch's kernel up to rounding, per row and head; one query token per row runs that kernel itself."""
+    module = tiny_base("llama").model.layers[0].self_attn
+    parts = [_inputs(q, seed=s) for s in range(rows)]
+    query, key, value, mask = (torch.cat(t) for t in zip(*parts))
+    want, _ = attention.grouped_sdpa_forward(module, query, key, value, mask, scaling=module.scaling)
+    got, _ = attention.batched_attention_forward(module, query, key, value, mask, scaling=module.scaling)
+    assert got.shape == want.shape == (rows, q, 4, 8)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    one = [t[:, :, :1] for t in (query,)] + [key, value, mask[:, :, :1]]
+    assert torch.equal(attention.batched_attention_forward(module, *one, scaling=module.scaling)[0],
+                       attention.grouped_sdpa_forward(module, *one, scaling=module.scaling)[0])

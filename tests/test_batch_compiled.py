@@ -18,14 +18,15 @@ from tests.test_decoding import random_bpd
 
 
 def reference_drafts(monkeypatch, model, prompts, width, kwargs) -> dict:
-    """Flat forced costs (every step drafts the widest block) and `batch_chains` drafting each row's lone greedy
-    continuation, corrupted at a depth that depends on the row and step, so rows accept 0..all drafted tokens in the
-    same step (a random tiny model's heads accept little). Returns the lone continuations."""
+    """Flat forced costs (every step drafts the widest block) and every row drafting its lone greedy continuation
+    (in the step's node budget, or as `batch_chains`' chain), corrupted at a depth that depends on the row and step,
+    so rows accept 0..all drafted tokens in the same step (a random tiny model's heads accept little). Returns the
+    lone continuations."""
     lone = {r: model.base_lm.generate(p[None], **kwargs)[0, len(p):].tolist() for r, p in enumerate(prompts)}
-    current = {"chains": []}
-    original = batch_module._chain_trees
+    current = {"chains": [], "by_drafter": {}}
+    original = batch_module._step_trees
 
-    def chain_trees(model_, active, policy, shadows, num_heads, generation_config, step_rows=None):
+    def step_trees(model_, plan, active, policy, shadows, num_heads, generation_config, step_rows=None):
         step = len(active[0].stats.accepted_lengths)
         drafts = []
         for row in active:
@@ -36,10 +37,16 @@ def reference_drafts(monkeypatch, model, prompts, width, kwargs) -> dict:
                 truth[wrong] = (truth[wrong] + 1) % VOCAB
             drafts.append(truth[:num_heads])
         current["chains"] = drafts
-        return original(model_, active, policy, shadows, num_heads, generation_config, step_rows)
+        current["by_drafter"] = {id(row.drafter): chain for row, chain in zip(active, drafts)}
+        return original(model_, plan, active, policy, shadows, num_heads, generation_config, step_rows)
+
+    def row_drafts(drafter, hidden, context, max_length):  # a row's drafts in its node budget
+        return [tuple(current["by_drafter"][id(drafter)][: min(drafter.slots, max_length)])], []
 
     monkeypatch.setattr(batch_module, "batch_chains", lambda heads, hidden, n: [list(c) for c in current["chains"]])
-    monkeypatch.setattr(batch_module, "_chain_trees", chain_trees)
+    monkeypatch.setattr(batch_module, "_rows_head_top", lambda *args: None)
+    monkeypatch.setattr(batch_module.BlockDrafter, "drafts", row_drafts)
+    monkeypatch.setattr(batch_module, "_step_trees", step_trees)
     monkeypatch.setattr(batch_module, "forward_costs", lambda base, max_tokens: {1: 1e6, 4096: 1e6})
     monkeypatch.setattr("hf_bpd.generation.batch_width.TIMING_WEIGHT", 0.0)
     return lone

@@ -94,6 +94,24 @@ def test_kernel_equals_pytorch_on_the_dequantized_weights(head_type, layers, arc
         assert torch.equal(indices[:, 0], want_indices[:, 0])
 
 
+@pytest.mark.parametrize("head_type, layers, arch", [("ffn", 2, "llama"), ("resblock", 1, "gemma3")])
+def test_the_rows_call_equals_one_call_per_row(head_type, layers, arch):
+    """A batch's heads step (`Int8HeadsStep.rows`: every row in one call, each weight read once for several rows)
+    gives each row bit for bit what a call on its own hidden state gives, whatever the number of rows."""
+    model = random_heads_model(head_type, layers, arch)
+    step = Int8HeadsStep(model.heads, 5)
+    generator = torch.Generator().manual_seed(4)
+    for n in (1, 3, 6, 4, 0):  # the buffers grow, and are reused by fewer rows
+        hidden = torch.randn(n, model.config.hidden_size, generator=generator)
+        values, indices = step.rows(hidden)
+        assert values.shape == indices.shape == (n, 3, 5)
+        for r in range(n):
+            one_values, one_indices = step(hidden[r])
+            assert torch.equal(values[r], one_values) and torch.equal(indices[r], one_indices)
+    with pytest.raises(ValueError, match="hidden states"):
+        step.rows(torch.zeros(2, model.config.hidden_size + 1))
+
+
 def test_int8_drafts_stay_close_to_the_fp32_heads():
     """Quantisation moves each weight by at most half a step: the heads' best token mostly stays the same."""
     model = random_heads_model("ffn", 1, "llama", None, hidden=64)

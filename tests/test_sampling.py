@@ -86,8 +86,8 @@ MODES = {"chain": {}, "tree": {"tree": sparse_tree((3, 2))}, "pbest": {"num_draf
          "feature": {"drafter": "feature", "draft_depth": 2, "prompt_lookup": True}}
 
 
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
-@pytest.mark.parametrize("mode", sorted(MODES))
+# every mode once, the temperatures alternating between them (a temperature is one logits processor for all modes)
+@pytest.mark.parametrize("mode, temperature", [(mode, (0.7, 1.0)[i % 2]) for i, mode in enumerate(sorted(MODES))])
 def test_bpd_sampling_matches_the_base_distribution(model, mode, temperature):
     probs = exact_joint(model.base_lm, temperature)
     counts = sample_counts(lambda: model.generate(PROMPT, do_sample=True, temperature=temperature, top_k=0,

@@ -8,13 +8,14 @@ and its tree's ancestors. The prompt pass runs eagerly over the left-padded batc
 `DynamicCache` (finished rows leave it), or, with `compile="wait"` on an fp32 base, a compiled batched step on a
 static cache (`hf_bpd.runtime.batched`; finished rows ride along until the rest fit a smaller runner).
 
-Drafts: every row's chain of the heads' argmax tokens, from one batched heads call (`batch_width.batch_chains`); the
-checkpoint's single-prompt drafting settings (rescorers, p-best, trees, prompt lookup, node budgets,
-`draft_schedule`) do not apply to batches, and given in the call they make each row draft as they say, every drafted
-token verified (`DecodingPlan.row_drafts`). How many of its drafted tokens each row verifies is decided per step by
-`batch_width.BatchWidth` from the machine's forward costs and the rows' running acceptance: a block only as wide as
-pays, and plain one-token steps (nothing drafted) when drafting does not pay; compiled, the widths are charged the
-compiled steps' own timings. Streaming: one streamer per row (`streamer=[...]`), each fed its row's prompt and
+Drafts: the heads run once per step for every row (the int8 heads kernel's multi-row call, `_rows_head_top`), then
+each row drafts as the checkpoint's defaults say (its own rescorer state: rescored p-best paths and prompt lookup's
+copy competing best-first) into the step's node budget; drafters without a budget (fixed sparse trees, sequential
+heads) draft the heads' argmax chain. How many nodes the rows verify is decided per step by `batch_width.BatchWidth`
+from the machine's forward costs and the rows' running acceptance: a block only as wide as pays, and plain one-token
+steps (nothing drafted) when drafting does not pay; compiled, the widths are charged the compiled steps' own
+timings. Drafting options given in the call (`DecodingPlan.row_drafts`) make each row draft as they say instead,
+every drafted token verified. Streaming: one streamer per row (`streamer=[...]`), each fed its row's prompt and
 accepted tokens and ended when the row stops.
 
 Each row is decoded exactly as transformers' batched plain `generate()` decodes it: logits processors and stopping
@@ -36,8 +37,11 @@ import torch
 from ..errors import BPDConfigError
 from ..kv_cache import CACHE_NAME
 from ..runtime.batched import batched_lock
+from ..runtime.compiled import head_top_k
+from ..runtime.int8_heads import int8_heads_step
 from .batch_cache import RaggedCache, StaticRaggedCache
 from .batch_width import BatchWidth, batch_chains, forward_costs, shadow_accepted
+from .drafting import BlockDrafter
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import DecodedSequence
 from .tree import DraftTree, GreedyRows, choose_token, walk, walk_greedy
@@ -83,29 +87,60 @@ def _block_masks(trees: list[DraftTree], ragged: RaggedCache, width: int, dtype,
     return positions, (masks["full_attention"] if set(masks) == {"full_attention"} else masks)
 
 
-def _chain_trees(model, active: list[_Row], policy: BatchWidth, shadows: dict, num_heads: int,
-                 generation_config, step_rows: int | None = None) -> list[DraftTree]:
-    """One step's draft trees at the width `policy` chooses: each row's heads chain cut to it, or no drafts (a plain
-    step; shadow drafts are kept for the rows when a probe is due)."""
+def _rows_head_top(model, drafter, hidden: torch.Tensor, int8) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Every row's heads step in one call: `(log-probabilities, draft-vocabulary indices)`, `(rows, heads, top_k)`
+    each, from the int8 heads kernel (`hf_bpd.runtime.int8_heads`: each weight read once for all rows), or None when
+    it does not serve these heads here (`heads_int8=False`, not on a CPU, ...)."""
+    if int8 is False or not isinstance(drafter, BlockDrafter):
+        return None
+    step = int8_heads_step(model.heads, head_top_k(drafter.top_k, model.config.draft_size), warn=int8 is True)
+    return None if step is None else step.rows(hidden)
+
+
+def _budgeted(drafter) -> bool:
+    """Whether a row's drafter can fill any node budget best-first (its paths and prompt lookup's copy competing
+    for the block, `BlockDrafter.drafts`): heads drafters without a fixed sparse tree."""
+    return isinstance(drafter, BlockDrafter) and drafter.tree_choices is None
+
+
+def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: dict, num_heads: int,
+                generation_config, step_rows: int | None = None) -> list[DraftTree]:
+    """One step's draft trees at the width `policy` chooses: each row's drafts in `width - 1` nodes (its drafter's
+    paths and prompt lookup's copy best-first; a chain of the heads' argmax tokens for drafters that cannot take a
+    budget), or no drafts (a plain step; shadow drafts, the heads' argmax chains, are kept for the rows when a probe
+    is due). The heads run once for every row (`_rows_head_top`)."""
     width = policy.choose([row.index for row in active],
                           [generation_config.max_length - row.sequence.shape[1] for row in active], step_rows)
-    chains, drafting_ms = None, None
+    chains, drafting_ms, budgeted = None, None, _budgeted(plan.drafter)
+    trees = [DraftTree([]) for _ in active]
     if width > 1 or (policy.max_width > 1 and policy.probe_due()):
         start = time.perf_counter()
-        chains = batch_chains(model.heads, torch.stack([row.hidden for row in active]), num_heads)
-        if chains is None:  # sequential heads: each row's own drafter, its best draft
-            chains = [list((row.drafter.drafts(row.hidden, row.tokens, num_heads)[0] or [()])[0]) for row in active]
+        tops = _rows_head_top(model, plan.drafter, torch.stack([row.hidden for row in active]), plan.heads_int8)
+        if width > 1 and budgeted:
+            for r, row in enumerate(active):
+                room = generation_config.max_length - row.sequence.shape[1] - 1
+                if room <= 0:
+                    continue
+                row.drafter.slots = width - 1
+                if tops is not None:  # this row's share of the heads call
+                    row.drafter.head_top = lambda hidden, token, v=tops[0][r], i=tops[1][r]: (v, i)
+                trees[r] = DraftTree(row.drafter.drafts(row.hidden, row.tokens, room)[0])
+        else:
+            if tops is not None:
+                chains = model.heads.to_vocab_ids(tops[1][:, :num_heads, 0]).tolist()
+            else:
+                chains = batch_chains(model.heads, torch.stack([row.hidden for row in active]), num_heads)
+            if chains is None:  # sequential heads: each row's own drafter, its best draft
+                chains = [list((row.drafter.drafts(row.hidden, row.tokens, num_heads)[0] or [()])[0])
+                          for row in active]
         drafting_ms = 1000 * (time.perf_counter() - start)
     policy.stepped(width, drafting_ms)
-    trees = []
     for r, row in enumerate(active):
         room = generation_config.max_length - row.sequence.shape[1] - 1
-        if width > 1:
-            trees.append(DraftTree([tuple(chains[r][: min(width - 1, room)])] if room > 0 else []))
-        else:
-            trees.append(DraftTree([]))
-            if chains is not None and row.index not in shadows:
-                shadows[row.index] = (list(chains[r]), len(row.tokens))
+        if width > 1 and not budgeted and room > 0:
+            trees[r] = DraftTree([tuple(chains[r][: min(width - 1, room)])])
+        elif width == 1 and chains is not None and row.index not in shadows:
+            shadows[row.index] = (list(chains[r]), len(row.tokens))
         row.stats.draft_probs.append([])
     return trees
 
@@ -188,10 +223,14 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
         num_heads = getattr(plan.drafter, "num_heads", 0)  # 0: plain steps (`use_heads=False`)
         policy = None
         if not plan.row_drafts:
+            # the widest block: as many nodes as the heads' chain (each width is a compiled shape of its own; a
+            # batch step's cost grows with rows x width, so wider blocks have not paid)
             policy = BatchWidth(forward_costs(base, len(active) * (num_heads + 1)), num_heads + 1, batch)
             for n, ms in sorted(ragged.step_costs().items()):  # compiled steps, timed when they compiled
                 policy.timing(n, ms)
-            stats.method = "chain/cost-aware+batch" if num_heads else stats.method
+            if num_heads:
+                drafts = stats.method.split("/")[0].removesuffix("+batch") if _budgeted(plan.drafter) else "chain"
+                stats.method = f"{drafts}/cost-aware+batch"
             for row in rows:
                 row.stats.method = stats.method
         shadows: dict[int, tuple[list[int], int]] = {}  # row -> (shadow draft, tokens decoded when it was drafted)
@@ -205,7 +244,8 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
                     row.stats.draft_probs.append(probs)
                     trees.append(DraftTree(drafts))
             else:
-                trees = _chain_trees(model, active, policy, shadows, num_heads, generation_config, ragged.step_rows)
+                trees = _step_trees(model, plan, active, policy, shadows, num_heads, generation_config,
+                                     ragged.step_rows)
             stats.draft_seconds += time.perf_counter() - start
             width = max(len(t) for t in trees) + 1
             tokens = torch.zeros(len(active), width, dtype=torch.long, device=device)
@@ -233,7 +273,7 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
                 row.accept(new, step_logits, step_scores)
                 if policy is not None:
                     if len(tree):
-                        policy.record(row.index, len(tree), len(path))
+                        policy.record(row.index, max(tree.depths), len(path))  # the depths it drafted
                     shadow = shadows.get(row.index)
                     if shadow is not None and (len(row.tokens) - shadow[1] >= len(shadow[0]) or row.stopped):
                         del shadows[row.index]

@@ -8,6 +8,9 @@ as int8 with one fp32 scale per output row (symmetric, `scale = max |row| / 127`
 projection and each head's top-k in one call of a small C++ kernel (`csrc/int8_heads.cpp`, OpenMP on PyTorch's
 thread pool). Activations and sums stay fp32.
 
+A batch's rows run in one call (`Int8HeadsStep.rows`): each weight row is read once for up to 4 (head, row)
+inputs, and every row's output is bit for bit its lone call's (the same sums in the same order).
+
 Only the drafts can change (each weight moves by at most half a quantisation step): the output is the base's own
 whatever the drafts are, since the base verifies every drafted token. How much the drafts change is measured, not
 assumed: `hf-bpd bench --methods default,default-fp32-heads` (block efficiency and speed with each) and
@@ -102,6 +105,8 @@ def load_kernel():
             lib.bpd_int8_heads_free.restype = None
             lib.bpd_int8_heads_run.argtypes = [ptr, ptr, cint, ptr, ptr, cint]
             lib.bpd_int8_heads_run.restype = None
+            lib.bpd_int8_heads_run_rows.argtypes = [ptr, ptr, cint, cint, ptr, ptr, cint]
+            lib.bpd_int8_heads_run_rows.restype = None
             _library = lib
         return _library
 
@@ -236,6 +241,22 @@ class Int8HeadsStep:
         indices = torch.empty(self.num_heads, self.top_k, dtype=torch.long)
         self.lib.bpd_int8_heads_run(self.handle, hidden.data_ptr(), self.top_k, values.data_ptr(),
                                     indices.data_ptr(), torch.get_num_threads())
+        return values, indices
+
+    def rows(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step for `n` hidden states `(n, hidden_size)` in one call (a batch's rows, each weight read once for
+        several of them): `(values, indices)`, `(n, num_heads, top_k)` each, row `r` what `self(hidden[r])` gives."""
+        hidden = hidden.detach()
+        if hidden.dtype != torch.float32 or not hidden.is_contiguous():
+            hidden = hidden.float().contiguous()
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"int8 heads: hidden states (n, {self.hidden_size}), got {tuple(hidden.shape)}")
+        n = hidden.shape[0]
+        values = torch.empty(n, self.num_heads, self.top_k)
+        indices = torch.empty(n, self.num_heads, self.top_k, dtype=torch.long)
+        if n:
+            self.lib.bpd_int8_heads_run_rows(self.handle, hidden.data_ptr(), n, self.top_k, values.data_ptr(),
+                                             indices.data_ptr(), torch.get_num_threads())
         return values, indices
 
     def __del__(self):

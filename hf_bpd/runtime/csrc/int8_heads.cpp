@@ -1,4 +1,4 @@
-// The drafting heads' step on one hidden state with int8 weights: every head's blocks, the projection onto the
+// The drafting heads' step on one hidden state (or a batch's rows) with int8 weights: every head's blocks, the projection onto the
 // draft vocabulary, and each head's top-k log-probabilities, in one call (hf_bpd.runtime.int8_heads).
 //
 // Why: after a verification forward the heads' weights are out of the CPU caches, and the step's cost is the bytes
@@ -168,13 +168,24 @@ __attribute__((visibility("default"))) void* bpd_int8_heads_new(
 
 __attribute__((visibility("default"))) void bpd_int8_heads_free(void* handle) { delete static_cast<Heads*>(handle); }
 
-// hidden (hidden,) -> values (num_heads, top_k) log-probabilities best first, indices (num_heads, top_k) into the
-// draft vocabulary; `threads` OpenMP threads (PyTorch's intra-op count).
-__attribute__((visibility("default"))) void bpd_int8_heads_run(void* handle, const float* hidden, int top_k,
-                                                                float* values, int64_t* indices, int threads) {
+// hidden (n, hidden) -> values (n, num_heads, top_k) log-probabilities best first, indices (n, num_heads, top_k)
+// into the draft vocabulary, for n hidden states in one call (a batch's rows): each weight row is read once for up
+// to 4 of the (head, row) inputs. Every output is computed as for a lone hidden state (the same sums in the same
+// order whatever n is). `threads` OpenMP threads (PyTorch's intra-op count).
+__attribute__((visibility("default"))) void bpd_int8_heads_run_rows(void* handle, const float* hidden, int n,
+                                                                     int top_k, float* values, int64_t* indices,
+                                                                     int threads) {
   Heads& h = *static_cast<Heads*>(handle);
   const int H = h.num_heads, d = h.hidden, per_block = h.kind == 0 ? 2 : 1;
-  for (int i = 0; i < H; ++i) std::memcpy(&h.states[static_cast<size_t>(i) * d], hidden, sizeof(float) * d);
+  const size_t inputs = static_cast<size_t>(H) * n;  // laid out [head][row]: a head's n inputs are contiguous
+  if (h.states.size() < inputs * d) {
+    h.states.resize(inputs * d);
+    h.inner.resize(inputs * std::max(h.width, d));
+    h.delta.resize(inputs * d);
+    h.logits.resize(inputs * h.vocab);
+  }
+  for (int i = 0; i < H; ++i)
+    std::memcpy(&h.states[static_cast<size_t>(i) * n * d], hidden, sizeof(float) * d * static_cast<size_t>(n));
 #pragma omp parallel num_threads(threads)
   {
     const int parts = omp_get_num_threads(), part = omp_get_thread_num();
@@ -184,24 +195,25 @@ __attribute__((visibility("default"))) void bpd_int8_heads_run(void* handle, con
       for (int i = 0; i < H; ++i) {
         const Linear& first = h.layers[(static_cast<size_t>(i) * h.num_blocks + block) * per_block];
         split(first.rows, parts, part, &b, &e);
-        gemv(first, &h.states[static_cast<size_t>(i) * d], 1, &h.inner[static_cast<size_t>(i) * first.rows], b, e);
+        gemv(first, &h.states[static_cast<size_t>(i) * n * d], n,
+             &h.inner[static_cast<size_t>(i) * n * first.rows], b, e);
       }
 #pragma omp barrier
       if (h.kind == 0) {
         const int w = h.width;
-        split(H * w, parts, part, &b, &e);
+        split(static_cast<int>(inputs) * w, parts, part, &b, &e);
         for (int j = b; j < e; ++j) h.inner[j] = std::max(h.inner[j], 0.f);
 #pragma omp barrier
         for (int i = 0; i < H; ++i) {
           const Linear& down = h.layers[(static_cast<size_t>(i) * h.num_blocks + block) * 2 + 1];
           split(d, parts, part, &b, &e);
-          dot_rows<1>(down, &h.inner[static_cast<size_t>(i) * w], w, &h.delta[static_cast<size_t>(i) * d], d, b, e);
+          gemv(down, &h.inner[static_cast<size_t>(i) * n * w], n, &h.delta[static_cast<size_t>(i) * n * d], b, e);
         }
 #pragma omp barrier
-        split(H * d, parts, part, &b, &e);
+        split(static_cast<int>(inputs) * d, parts, part, &b, &e);
         for (int j = b; j < e; ++j) h.states[j] += h.delta[j];  // x + down(relu(up(x)))
       } else {
-        split(H * d, parts, part, &b, &e);
+        split(static_cast<int>(inputs) * d, parts, part, &b, &e);
         for (int j = b; j < e; ++j) {
           const float z = h.inner[j];
           h.states[j] += z / (1.f + std::exp(-z));
@@ -209,13 +221,14 @@ __attribute__((visibility("default"))) void bpd_int8_heads_run(void* handle, con
       }
 #pragma omp barrier
     }
-    // the projection: each draft-vocabulary row read once for all heads
+    // the projection: each draft-vocabulary row read once for up to 4 (head, row) inputs
     split(h.vocab, parts, part, &b, &e);
-    gemv(h.projection, h.states.data(), H, h.logits.data(), b, e);
+    gemv(h.projection, h.states.data(), static_cast<int>(inputs), h.logits.data(), b, e);
 #pragma omp barrier
 #pragma omp for schedule(static)
-    for (int i = 0; i < H; ++i) {
-      float* row = &h.logits[static_cast<size_t>(i) * h.vocab];
+    for (int x = 0; x < static_cast<int>(inputs); ++x) {
+      const int i = x / n, r = x % n;  // head i of row r
+      float* row = &h.logits[static_cast<size_t>(x) * h.vocab];
       const int V = h.vocab;
       if (h.softcap > 0.f)
         for (int v = 0; v < V; ++v) row[v] = std::tanh(row[v] / h.softcap) * h.softcap;
@@ -241,12 +254,19 @@ __attribute__((visibility("default"))) void bpd_int8_heads_run(void* handle, con
         }
       }
       std::sort_heap(heap.begin(), heap.end(), better);  // best first
+      const size_t out = (static_cast<size_t>(r) * H + i) * top_k;
       for (int j = 0; j < top_k; ++j) {
-        values[static_cast<size_t>(i) * top_k + j] = heap[j].first - lse;
-        indices[static_cast<size_t>(i) * top_k + j] = heap[j].second;
+        values[out + j] = heap[j].first - lse;
+        indices[out + j] = heap[j].second;
       }
     }
   }
+}
+
+// hidden (hidden,) -> values (num_heads, top_k), indices (num_heads, top_k): one hidden state.
+__attribute__((visibility("default"))) void bpd_int8_heads_run(void* handle, const float* hidden, int top_k,
+                                                                float* values, int64_t* indices, int threads) {
+  bpd_int8_heads_run_rows(handle, hidden, 1, top_k, values, indices, threads);
 }
 
 }  // extern "C"
