@@ -109,34 +109,34 @@ def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: di
     paths and prompt lookup's copy best-first; a chain of the heads' argmax tokens for drafters that cannot take a
     budget), or no drafts (a plain step; shadow drafts, the heads' argmax chains, are kept for the rows when a probe
     is due). The heads run once for every row (`_rows_head_top`)."""
-    width = policy.choose([row.index for row in active],
-                          [generation_config.max_length - row.sequence.shape[1] for row in active], step_rows)
+    left = [generation_config.max_length - row.sequence.shape[1] for row in active]  # the step's token included
+    width = policy.choose([row.index for row in active], left, step_rows)
     chains, drafting_ms, budgeted = None, None, _budgeted(plan.drafter)
     trees = [DraftTree([]) for _ in active]
     if width > 1 or (policy.max_width > 1 and policy.probe_due()):
         start = time.perf_counter()
-        tops = _rows_head_top(model, plan.drafter, torch.stack([row.hidden for row in active]), plan.heads_int8)
+        hidden = torch.stack([row.hidden for row in active])
+        tops = _rows_head_top(model, plan.drafter, hidden, plan.heads_int8)
         if width > 1 and budgeted:
             for r, row in enumerate(active):
-                room = generation_config.max_length - row.sequence.shape[1] - 1
-                if room <= 0:
+                if left[r] <= 1:
                     continue
                 row.drafter.slots = width - 1
                 if tops is not None:  # this row's share of the heads call
                     row.drafter.head_top = lambda hidden, token, v=tops[0][r], i=tops[1][r]: (v, i)
-                trees[r] = DraftTree(row.drafter.drafts(row.hidden, row.tokens, room)[0])
+                trees[r] = DraftTree(row.drafter.drafts(row.hidden, row.tokens, left[r] - 1)[0])
         else:
             if tops is not None:
                 chains = model.heads.to_vocab_ids(tops[1][:, :num_heads, 0]).tolist()
             else:
-                chains = batch_chains(model.heads, torch.stack([row.hidden for row in active]), num_heads)
+                chains = batch_chains(model.heads, hidden, num_heads)
             if chains is None:  # sequential heads: each row's own drafter, its best draft
                 chains = [list((row.drafter.drafts(row.hidden, row.tokens, num_heads)[0] or [()])[0])
                           for row in active]
         drafting_ms = 1000 * (time.perf_counter() - start)
     policy.stepped(width, drafting_ms)
     for r, row in enumerate(active):
-        room = generation_config.max_length - row.sequence.shape[1] - 1
+        room = left[r] - 1
         if width > 1 and not budgeted and room > 0:
             trees[r] = DraftTree([tuple(chains[r][: min(width - 1, room)])])
         elif width == 1 and chains is not None and row.index not in shadows:

@@ -31,16 +31,22 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 ATTENTION_NAME = "hf_bpd_grouped_sdpa"
 
 
+def _masked_cpu_attention(query, key, value, attention_mask, dropout, kwargs) -> bool:
+    """Whether a call is plain masked attention on a CPU (no dropout, soft-capping, position biases or returned
+    weights; keys and values of one head size): what hf_bpd's attention functions compute themselves."""
+    return (attention_mask is not None and not dropout and query.device.type == "cpu"
+            and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
+            and not kwargs.get("output_attentions", False) and key.shape[-1] == value.shape[-1])
+
+
 def grouped_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                          is_causal=None, **kwargs):
     """transformers' `sdpa` attention, with grouped key/value heads read in place when a mask is given on a CPU."""
     groups = getattr(module, "num_key_value_groups", 1)
     # One eager query token is left to transformers, which packs the grouped query heads instead (not bit-identical
     # to the repeated heads; eager plain decoding does that, so the eager verifier keeps doing it too).
-    if (groups > 1 and attention_mask is not None and not dropout and query.device.type == "cpu"
-            and (query.shape[2] > 1 or torch.compiler.is_compiling())
-            and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
-            and not kwargs.get("output_attentions", False) and key.shape[-1] == value.shape[-1]):
+    if (groups > 1 and (query.shape[2] > 1 or torch.compiler.is_compiling())
+            and _masked_cpu_attention(query, key, value, attention_mask, dropout, kwargs)):
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                                scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
@@ -66,9 +72,7 @@ def batched_attention_forward(module, query, key, value, attention_mask, dropout
     query token per row it is as fast or faster, so plain batch steps keep it."""
     rows, heads, width, dim = query.shape
     kv_heads = key.shape[1]
-    if (width == 1 or attention_mask is None or dropout or query.device.type != "cpu" or heads % kv_heads
-            or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
-            or kwargs.get("output_attentions", False) or key.shape[-1] != value.shape[-1]):
+    if width == 1 or heads % kv_heads or not _masked_cpu_attention(query, key, value, attention_mask, dropout, kwargs):
         return grouped_sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                     is_causal=is_causal, **kwargs)
     groups = heads // kv_heads  # query head h reads key/value head h // groups
@@ -103,21 +107,12 @@ def attention_implementation(base, name: str):
 
 
 @contextlib.contextmanager
-def batched_query_attention(base, enabled: bool = True):
-    """Run `base` on `batched_attention_forward` inside the block (when `enabled`: `uses_grouped_attention`)."""
-    if not enabled:
-        yield
-        return
-    with attention_implementation(base, BATCHED_ATTENTION_NAME):
-        yield
-
-
-@contextlib.contextmanager
-def grouped_query_attention(base, enabled: bool = True):
+def grouped_query_attention(base, enabled: bool = True, name: str = ATTENTION_NAME):
     """Run `base` on `grouped_sdpa_forward` inside the block (when `enabled`, which callers compute once with
-    `uses_grouped_attention`); its attention implementation is restored on exit."""
+    `uses_grouped_attention`), or on the attention registered as `name` (`BATCHED_ATTENTION_NAME`: a batched step's);
+    its attention implementation is restored on exit."""
     if not enabled:
         yield
         return
-    with attention_implementation(base, ATTENTION_NAME):
+    with attention_implementation(base, name):
         yield

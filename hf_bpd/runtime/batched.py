@@ -28,7 +28,7 @@ import weakref
 import torch
 from transformers.cache_utils import StaticCache
 
-from .attention import batched_query_attention, grouped_query_attention, uses_grouped_attention
+from .attention import BATCHED_ATTENTION_NAME, grouped_query_attention, uses_grouped_attention
 from .compiled import CACHE_BUCKET, MAX_COMPILED_SHAPES, _Patches
 from .cost import weight_bytes
 from .guards import call_compiled, compile_step
@@ -106,7 +106,7 @@ class BatchedRunner:
         slots = torch.arange(past, past + width, device=tokens.device)
         if self._compiled is None:
             self._compiled = compile_step(self.step)
-        with batched_query_attention(self.base, self.grouped):
+        with grouped_query_attention(self.base, self.grouped, BATCHED_ATTENTION_NAME):
             done = call_compiled(self._compiled, tokens, positions, slots, mask) \
                 if width in self.compiled_widths else None
             if done is not None:

@@ -103,8 +103,6 @@ def load_kernel():
             lib.bpd_int8_heads_new.restype = ptr
             lib.bpd_int8_heads_free.argtypes = [ptr]
             lib.bpd_int8_heads_free.restype = None
-            lib.bpd_int8_heads_run.argtypes = [ptr, ptr, cint, ptr, ptr, cint]
-            lib.bpd_int8_heads_run.restype = None
             lib.bpd_int8_heads_run_rows.argtypes = [ptr, ptr, cint, cint, ptr, ptr, cint]
             lib.bpd_int8_heads_run_rows.restype = None
             _library = lib
@@ -232,16 +230,10 @@ class Int8HeadsStep:
         self._keep, self._arrays = keep, arrays
 
     def __call__(self, hidden: torch.Tensor, token=None) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = hidden.detach()
-        if hidden.dtype != torch.float32 or not hidden.is_contiguous():
-            hidden = hidden.float().contiguous()
         if hidden.numel() != self.hidden_size:
             raise ValueError(f"int8 heads: a hidden state of {self.hidden_size} values, got {tuple(hidden.shape)}")
-        values = torch.empty(self.num_heads, self.top_k)
-        indices = torch.empty(self.num_heads, self.top_k, dtype=torch.long)
-        self.lib.bpd_int8_heads_run(self.handle, hidden.data_ptr(), self.top_k, values.data_ptr(),
-                                    indices.data_ptr(), torch.get_num_threads())
-        return values, indices
+        values, indices = self.rows(hidden.reshape(1, self.hidden_size))
+        return values[0], indices[0]
 
     def rows(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step for `n` hidden states `(n, hidden_size)` in one call (a batch's rows, each weight read once for

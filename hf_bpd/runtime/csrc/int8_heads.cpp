@@ -1,5 +1,6 @@
-// The drafting heads' step on one hidden state (or a batch's rows) with int8 weights: every head's blocks, the projection onto the
-// draft vocabulary, and each head's top-k log-probabilities, in one call (hf_bpd.runtime.int8_heads).
+// The drafting heads' step on one hidden state or a batch's rows with int8 weights: every head's blocks, the
+// projection onto the draft vocabulary, and each head's top-k log-probabilities, in one call
+// (hf_bpd.runtime.int8_heads).
 //
 // Why: after a verification forward the heads' weights are out of the CPU caches, and the step's cost is the bytes
 // it reads. fp32 weights are 47 MB for SmolLM2's 4 heads; int8 with one fp32 scale per output row is a quarter of
@@ -261,12 +262,6 @@ __attribute__((visibility("default"))) void bpd_int8_heads_run_rows(void* handle
       }
     }
   }
-}
-
-// hidden (hidden,) -> values (num_heads, top_k), indices (num_heads, top_k): one hidden state.
-__attribute__((visibility("default"))) void bpd_int8_heads_run(void* handle, const float* hidden, int top_k,
-                                                                float* values, int64_t* indices, int threads) {
-  bpd_int8_heads_run_rows(handle, hidden, 1, top_k, values, indices, threads);
 }
 
 }  // extern "C"
