@@ -89,17 +89,29 @@ def test_one_token_under_compile_reads_the_grouped_heads_like_the_repeated_ones(
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("rows, q", [(3, 2), (2, 5)])
-def test_batched_attention_equals_grouped_sdpa(rows, q):
-    """A drafted batch step's attention as two GEMMs and a softmax (`batched_attention_forward`): the same numbers
-    as PyTorch's kernel up to rounding, per row and head; one query token per row runs that kernel itself."""
+@pytest.mark.parametrize("rows, q", [(3, 1), (3, 2), (2, 5)])
+def test_batched_attention_reads_the_used_slots_only(rows, q):
+    """A batch step's attention (`batched_attention_forward`): over the slots up to the block (`cache_position`),
+    as two GEMMs and a softmax for several query tokens per row, PyTorch's kernel for one; the same numbers as
+    PyTorch's kernel over every slot, up to rounding; whatever the slots past the block hold, nothing changes; and
+    it traces into one graph (`hf_bpd::used_slots_attention`, opaque to the compiler)."""
     module = tiny_base("llama").model.layers[0].self_attn
     parts = [_inputs(q, seed=s) for s in range(rows)]
     query, key, value, mask = (torch.cat(t) for t in zip(*parts))
+    where = torch.arange(10, 10 + q)  # `_inputs`: the block sits at slots 10 .. 10 + q - 1
     want, _ = attention.grouped_sdpa_forward(module, query, key, value, mask, scaling=module.scaling)
-    got, _ = attention.batched_attention_forward(module, query, key, value, mask, scaling=module.scaling)
+    got, _ = attention.batched_attention_forward(module, query, key, value, mask, scaling=module.scaling,
+                                                 cache_position=where)
     assert got.shape == want.shape == (rows, q, 4, 8)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    one = [t[:, :, :1] for t in (query,)] + [key, value, mask[:, :, :1]]
-    assert torch.equal(attention.batched_attention_forward(module, *one, scaling=module.scaling)[0],
-                       attention.grouped_sdpa_forward(module, *one, scaling=module.scaling)[0])
+    # without the block's slots (not a batch step): PyTorch's kernel over every slot
+    assert torch.equal(attention.batched_attention_forward(module, query, key, value, mask,
+                                                           scaling=module.scaling)[0], want)
+    key[:, :, 10 + q:], value[:, :, 10 + q:] = float("nan"), float("nan")  # unused slots are never read
+    again, _ = attention.batched_attention_forward(module, query, key, value, mask, scaling=module.scaling,
+                                                   cache_position=where)
+    assert torch.equal(again, got)
+    traced = torch.compile(lambda q_, k, v, m, c: attention.batched_attention_forward(
+        module, q_, k, v, m, scaling=module.scaling, cache_position=c)[0], backend="aot_eager", fullgraph=True)
+    assert torch.equal(traced(query, key, value, mask, where), got)
+    torch._dynamo.reset()

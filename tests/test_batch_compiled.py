@@ -17,13 +17,16 @@ from tests.test_batch import PAD, check_rows, left_padded, random_prompts
 from tests.test_decoding import random_bpd
 
 
-def reference_drafts(monkeypatch, model, prompts, width, kwargs) -> dict:
+def reference_drafts(monkeypatch, model, prompts, width, kwargs, branching=None) -> dict:
     """Flat forced costs (every step drafts the widest block) and every row drafting its lone greedy continuation
     (in the step's node budget, or as `batch_chains`' chain), corrupted at a depth that depends on the row and step,
     so rows accept 0..all drafted tokens in the same step (a random tiny model's heads accept little). Returns the
-    lone continuations."""
+    lone continuations. While `branching["on"]` (a dict the caller may flip between calls), rows draft into the node
+    budget, and in every other step a row's budget holds a wrong one-token draft first and its continuation after it:
+    the tree branches at its root, and a row that accepts keeps block slots that are not a prefix of its block."""
     lone = {r: model.base_lm.generate(p[None], **kwargs)[0, len(p):].tolist() for r, p in enumerate(prompts)}
-    current = {"chains": [], "by_drafter": {}}
+    current = {"chains": [], "by_drafter": {}, "step": 0}
+    branching = branching if branching is not None else {"on": False}
     original = batch_module._step_trees
 
     def step_trees(model_, plan, active, policy, shadows, num_heads, generation_config, step_rows=None):
@@ -36,43 +39,55 @@ def reference_drafts(monkeypatch, model, prompts, width, kwargs) -> dict:
             if wrong < num_heads:
                 truth[wrong] = (truth[wrong] + 1) % VOCAB
             drafts.append(truth[:num_heads])
-        current["chains"] = drafts
-        current["by_drafter"] = {id(row.drafter): chain for row, chain in zip(active, drafts)}
+        current["chains"], current["step"] = drafts, step
+        current["by_drafter"] = {id(row.drafter): (row.index, chain) for row, chain in zip(active, drafts)}
         return original(model_, plan, active, policy, shadows, num_heads, generation_config, step_rows)
 
     def row_drafts(drafter, hidden, context, max_length):  # a row's drafts in its node budget
-        return [tuple(current["by_drafter"][id(drafter)][: min(drafter.slots, max_length)])], []
+        index, chain = current["by_drafter"][id(drafter)]
+        chain = tuple(chain[: min(drafter.slots, max_length)])
+        if branching["on"] and len(chain) >= 2 and (current["step"] + index) % 2 == 0:
+            return [((chain[0] + 1) % VOCAB,), chain[:-1]], []  # the decoy first, the continuation second
+        return [chain], []
 
     monkeypatch.setattr(batch_module, "batch_chains", lambda heads, hidden, n: [list(c) for c in current["chains"]])
     monkeypatch.setattr(batch_module, "_rows_head_top", lambda *args: None)
     monkeypatch.setattr(batch_module.BlockDrafter, "drafts", row_drafts)
     monkeypatch.setattr(batch_module, "_step_trees", step_trees)
+    monkeypatch.setattr(batch_module, "_budgeted", lambda drafter: branching["on"])
     monkeypatch.setattr(batch_module, "forward_costs", lambda base, max_tokens: {1: 1e6, 4096: 1e6})
     monkeypatch.setattr("hf_bpd.generation.batch_width.TIMING_WEIGHT", 0.0)
     return lone
 
 
 def test_compiled_batch_rows_equal_their_lone_output(monkeypatch):
-    """Every step drafts (forced costs) the rows' corrupted lone continuations; a small cache is compacted
-    mid-decoding; rows stop at their own EOS, ride along, then move to a runner of fewer rows."""
+    """Every step drafts (forced costs) the rows' corrupted lone continuations, in trees that branch at their root
+    in every other step; a small cache is compacted mid-decoding; rows stop at their own EOS, ride along, then move
+    to a runner of fewer rows (drafting chains)."""
     model = random_bpd("llama", 0)
     prompts = random_prompts(6, seed=5, longest=20)
     kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=PAD)
     ids, mask = left_padded(prompts)
     width = ids.shape[1]
-    lone = reference_drafts(monkeypatch, model, prompts, width, kwargs)
+    branching = {"on": True}
+    lone = reference_drafts(monkeypatch, model, prompts, width, kwargs, branching)
     monkeypatch.setattr(batched, "CACHE_BUCKET", 1)  # a cache just as long as the call: holes force compaction
     compactions, compact = [], StaticRaggedCache.compact
     monkeypatch.setattr(StaticRaggedCache, "compact", lambda self: (compactions.append(1), compact(self)))
+    kept_slots, keep_tail = [], StaticRaggedCache.keep_tail
+    monkeypatch.setattr(StaticRaggedCache, "keep_tail",
+                        lambda self, block, kept: (kept_slots.extend(kept), keep_tail(self, block, kept)))
 
     out = model.generate(ids, attention_mask=mask, compile="wait", **kwargs)
     assert check_rows(model, prompts, out, width, kwargs) == 0
     stats = model.last_generation_stats
-    assert stats.verifier == "compiled" and stats.method == "chain/cost-aware+batch"
+    assert stats.verifier == "compiled" and stats.method.endswith("/cost-aware+batch")
+    assert any(k != list(range(len(k))) for k in kept_slots)  # a later branch accepted: slots kept in place, holes
     per_step = list(zip(*[row.accepted_lengths[2:] for row in stats.rows]))
     assert any(len(set(step)) > 2 for step in per_step)  # ragged: rows accepted different lengths together
     assert all(row.block_efficiency > 1.5 for row in stats.rows)
     assert compactions, batched._RUNNERS[model.base_lm].keys()
+    branching["on"] = False
 
     # rows stop at their own EOS: finished rows ride along, then the rest move to a runner of fewer rows
     stops = {t: sum(t in lone[r][:30] for r in range(6)) for t in range(3, VOCAB)}

@@ -106,7 +106,8 @@ def _budgeted(drafter) -> bool:
 def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: dict, num_heads: int,
                 generation_config, step_rows: int | None = None) -> list[DraftTree]:
     """One step's draft trees at the width `policy` chooses: each row's drafts in `width - 1` nodes (its drafter's
-    paths and prompt lookup's copy best-first; a chain of the heads' argmax tokens for drafters that cannot take a
+    paths, rescored over the first `width - 1` heads, the depths the step verifies, and prompt lookup's copy
+    best-first; a chain of the heads' argmax tokens for drafters that cannot take a
     budget), or no drafts (a plain step; shadow drafts, the heads' argmax chains, are kept for the rows when a probe
     is due). The heads run once for every row (`_rows_head_top`)."""
     left = [generation_config.max_length - row.sequence.shape[1] for row in active]  # the step's token included
@@ -124,7 +125,7 @@ def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: di
                 row.drafter.slots = width - 1
                 if tops is not None:  # this row's share of the heads call
                     row.drafter.head_top = lambda hidden, token, v=tops[0][r], i=tops[1][r]: (v, i)
-                trees[r] = DraftTree(row.drafter.drafts(row.hidden, row.tokens, left[r] - 1)[0])
+                trees[r] = DraftTree(row.drafter.drafts(row.hidden, row.tokens, min(left[r], width) - 1)[0])
         else:
             if tops is not None:
                 chains = model.heads.to_vocab_ids(tops[1][:, :num_heads, 0]).tolist()

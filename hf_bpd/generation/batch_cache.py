@@ -3,17 +3,19 @@
 Both layouts keep the batch's keys/values in one tensor per layer, `P` slots long, and `valid` (a `(rows, P)` bool
 mask) says which slots hold which row's tokens, in order. A step appends every row's block (its last token and its
 draft tree, padded to the widest block `W` of the step) at slots `P .. P+W-1`. After verification, row `r` keeps its
-root and accepted path: those `k_r` entries move to the front of the block and the cache grows by `K = max_r k_r`;
-row `r` leaves `K - k_r` holes, masked from then on. Compacting gathers each row's valid slots to the right (left
-padding).
+root and accepted path, `k_r` entries; the slots it does not keep are holes, masked from then on. Compacting gathers
+each row's valid slots to the right (left padding).
 
-* `RaggedCache`: a `DynamicCache` verified by the eager base. The tail past `K` is cut; the cache is compacted when
+* `RaggedCache`: a `DynamicCache` verified by the eager base. Row `r`'s kept entries move to the front of the block,
+  the cache grows by `K = max_r k_r` (row `r` leaves `K - k_r` holes) and the tail past `K` is cut; the cache is compacted when
   that would free a quarter of it; a row that finishes leaves (its cache row is dropped).
-* `StaticRaggedCache`: the static cache of a compiled batched step (`hf_bpd.runtime.batched`). Every step sees the
-  whole cache (a mask of its `max_cache_len` slots), so holes cost nothing until the cache is full: it is compacted
-  then. Finished rows stay in the step (masked, their results unread) until the rows left fit a runner of a quarter
-  as many rows (`SHRINK`; runners of 1, 4, 16, ... rows): they move there, so the shapes a process compiles (each
-  ~1 min for SmolLM2) stay few and are reused.
+* `StaticRaggedCache`: the static cache of a compiled batched step (`hf_bpd.runtime.batched`). A step's mask spans
+  all `max_cache_len` slots and its attention reads the slots up to the block, so a hole costs one masked slot until
+  the cache is full: it is compacted then. Nothing moves after a verification: the slots a row rejected stay where
+  they are, as holes, and the cache grows to the last slot any row kept (moving 30 layers' kept entries cost ~1.5 ms
+  a step for 4 SmolLM2 rows). Finished rows stay in the step (masked, their results unread) until the rows left fit
+  a runner of a quarter as many rows (`SHRINK`; runners of 1, 4, 16, ... rows): they move there, so the shapes a
+  process compiles (each ~1 min for SmolLM2) stay few and are reused.
 """
 
 from __future__ import annotations
@@ -202,7 +204,8 @@ class StaticRaggedCache:
         return logits.index_select(0, rows), hidden.index_select(0, rows), compiled
 
     def keep_tail(self, block: int, kept: list[list[int]]) -> None:
-        """After a verification of `block` slots per row: keep active row r's block slots `kept[r]` (in order)."""
+        """After a verification of `block` slots per row: keep active row r's block slots `kept[r]` where they are
+        (nothing moves: the slots it rejected become holes); the cache grows to the last slot any row kept."""
         device, past = self.all_valid.device, self.length
         if block == 1:
             tail = torch.zeros(self.runner.rows, 1, dtype=torch.bool, device=device)
@@ -210,11 +213,11 @@ class StaticRaggedCache:
             self.all_valid = torch.cat([self.all_valid, tail], dim=1)
             self.runner.set_length(past + 1)
             return
-        every: list[list[int]] = [[] for _ in range(self.runner.rows)]
-        for row, k in zip(self.rows.tolist(), kept):
-            every[row] = k
-        width = _gather_block(self.runner.layers, past, block, every, self.runner.rows, device)
-        self.all_valid = torch.cat([self.all_valid, _kept_mask(every, width, device)], dim=1)
+        width = max(max(k) for k in kept) + 1
+        slots = [[r, s] for r, k in zip(self.rows.tolist(), kept) for s in k]
+        tail = torch.zeros(self.runner.rows, width, dtype=torch.bool, device=device)
+        tail[tuple(torch.tensor(slots, device=device).T)] = True
+        self.all_valid = torch.cat([self.all_valid, tail], dim=1)
         self.runner.set_length(past + width)
 
     def compact(self) -> None:

@@ -60,28 +60,68 @@ AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 BATCHED_ATTENTION_NAME = "hf_bpd_batched_attention"
 
 
-def batched_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                              is_causal=None, **kwargs):
-    """Attention of a drafted batch step (several query tokens in each of several rows, a mask over the whole static
-    cache) as two GEMMs and a softmax, grouped key/value heads read in place; anything else as
-    `grouped_sdpa_forward`.
-
-    PyTorch's CPU flash kernel splits its work by (row, head, block of queries), which leaves a few query tokens per
-    task: measured per layer (SmolLM2's 9 query / 3 key-value heads of 64, 512 slots, AMD EPYC AVX-512, 2 threads),
-    4 rows x 3 tokens 0.47 ms with it and 0.22 ms as two GEMMs (4 x 2: 0.27 / 0.16, 16 x 2: 1.23 / 0.83); for one
-    query token per row it is as fast or faster, so plain batch steps keep it."""
+def _two_gemm_attention(query, key, value, mask, scale: float) -> torch.Tensor:
+    """Grouped-query attention as two GEMMs and a softmax, `(rows, heads, W, dim)` queries over `(rows, kv_heads,
+    slots, dim)` keys/values read in place (query head h reads key/value head h // groups)."""
     rows, heads, width, dim = query.shape
     kv_heads = key.shape[1]
-    if width == 1 or heads % kv_heads or not _masked_cpu_attention(query, key, value, attention_mask, dropout, kwargs):
+    groups = heads // kv_heads
+    scores = torch.matmul(query.reshape(rows, kv_heads, groups * width, dim), key.transpose(-1, -2)) * scale
+    scores = scores.view(rows, kv_heads, groups, width, -1) + mask[:, :, None]
+    probs = torch.softmax(scores, dim=-1).view(rows, kv_heads, groups * width, -1)
+    return torch.matmul(probs, value).view(rows, heads, width, dim)
+
+
+def _used_slots_attention(query, key, value, mask, cache_position, scale: float) -> torch.Tensor:
+    """The batched step's attention over the cache slots in use, `[0, cache_position[-1]]` (the block is written
+    at `cache_position`; every slot past it is masked for every row): one query token per row through PyTorch's
+    CPU kernel, several as `_two_gemm_attention`. Returns `(rows, W, heads, dim)`."""
+    used = int(cache_position[-1]) + 1
+    key, value, mask = key[:, :, :used], value[:, :, :used], mask[..., :used]
+    if query.shape[2] == 1:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                               enable_gqa=True)
+    else:
+        out = _two_gemm_attention(query, key, value, mask, scale)
+    return out.transpose(1, 2).contiguous()
+
+
+def _used_slots_attention_shape(query, key, value, mask, cache_position, scale: float) -> torch.Tensor:
+    rows, heads, width, dim = query.shape
+    return query.new_empty(rows, width, heads, dim)
+
+
+# An operator of its own, opaque to the compiler: how many slots are in use is read when the step runs (a compiled
+# graph has one shape for the whole static cache), and the GEMMs read the cache in place (inductor's GEMM templates
+# copied each layer's whole key cache into a transposed layout first).
+_LIBRARY = torch.library.Library("hf_bpd", "FRAGMENT")
+_LIBRARY.define("used_slots_attention(Tensor query, Tensor key, Tensor value, Tensor mask, Tensor cache_position, "
+                "float scale) -> Tensor")
+_LIBRARY.impl("used_slots_attention", _used_slots_attention, "CPU")
+torch.library.register_fake("hf_bpd::used_slots_attention", _used_slots_attention_shape, lib=_LIBRARY)
+
+
+def batched_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                              is_causal=None, **kwargs):
+    """Attention of a compiled batch step (one or a few query tokens in each of several rows, a mask over the whole
+    static cache) over only the cache slots in use (`hf_bpd::used_slots_attention`), grouped key/value heads read in
+    place; anything else as `grouped_sdpa_forward`.
+
+    Measured per SmolLM2 layer inside the compiled 4-row step (9 query / 3 key-value heads of 64, 512 slots, ~150 in
+    use, AMD EPYC AVX-512, 2 threads, `torch.profiler`): PyTorch's CPU flash kernel took 0.23 ms for one token per
+    row over the 512 slots; for 2 tokens per row, two GEMMs compiled by inductor took 0.27 ms, 0.15 of them a copy
+    of the key cache into the GEMM template's layout. PyTorch's CPU flash kernel splits its work by (row, head,
+    block of queries), which leaves a few query tokens per task, so several query tokens per row run as two GEMMs
+    (eager, per layer: 4 rows x 3 tokens 0.47 ms with the kernel, 0.22 as two GEMMs)."""
+    rows, heads, width, dim = query.shape
+    kv_heads = key.shape[1]
+    cache_position = kwargs.get("cache_position")
+    if (cache_position is None or heads % kv_heads
+            or not _masked_cpu_attention(query, key, value, attention_mask, dropout, kwargs)):
         return grouped_sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                     is_causal=is_causal, **kwargs)
-    groups = heads // kv_heads  # query head h reads key/value head h // groups
     scale = scaling if scaling is not None else dim ** -0.5
-    scores = torch.matmul(query.reshape(rows, kv_heads, groups * width, dim), key.transpose(-1, -2)) * scale
-    scores = scores.view(rows, kv_heads, groups, width, -1) + attention_mask[:, :, None]
-    probs = torch.softmax(scores, dim=-1).view(rows, kv_heads, groups * width, -1)
-    out = torch.matmul(probs, value).view(rows, heads, width, dim)
-    return out.transpose(1, 2).contiguous(), None
+    return torch.ops.hf_bpd.used_slots_attention(query, key, value, attention_mask, cache_position, scale), None
 
 
 AttentionInterface.register(BATCHED_ATTENTION_NAME, batched_attention_forward)
