@@ -140,6 +140,30 @@ def test_generate_with_heads_prints_a_side_by_side_table(tiny, capsys):
     assert out.count("| yes |") == 2 and "| NO |" not in out and "identical output: True" in out
 
 
+def test_compare_times_every_method_as_its_fastest_of_repeats(tiny, capsys):
+    """`--repeats N`: each compared method runs N times and its fastest run counts (the first run's output is the
+    one printed and checked); N < 1 is a one-line error."""
+    import time as _time
+
+    from hf_bpd.cli.generate import _timed
+
+    pauses, outputs = [0.08, 0.01, 0.05], []
+
+    def call():
+        _time.sleep(pauses[len(outputs)])
+        outputs.append(len(outputs))
+        return outputs[-1]
+
+    out, seconds = _timed(call, 3)
+    assert out == 0 and len(outputs) == 3 and 0.01 <= seconds < 0.05
+    code = run_main(["generate", "--model", tiny["heads"], "--prompt", "hello world", "--max-new-tokens", "6",
+                     "--compare", "--repeats", "2", "--threads", "1"])
+    assert code == 0 and "identical output: True" in capsys.readouterr().out
+    assert run_main(["generate", "--model", tiny["heads"], "--prompt", "hi", "--compare", "--repeats", "0"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "hf-bpd: error: --repeats must be >= 1 (timed runs per method with --compare), got 0")
+
+
 # ------------------------------------------------------------------ bench and analyze end to end
 def test_bench_command_writes_table_json_and_plots(tiny, tmp_path, capsys):
     out = tmp_path / "out" / "bench.json"
