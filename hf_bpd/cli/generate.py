@@ -59,12 +59,13 @@ def _method_label(model, options: dict) -> str:
 def _timed(fn, repeats: int = 1):
     """`(output of the first run, the fastest run's seconds)` over `repeats` runs (the fastest: what the machine
     can do, with the other core's hiccups and page faults left out, for every method alike)."""
-    best, out = math.inf, None
-    for i in range(repeats):
+    start = time.perf_counter()
+    out = fn()
+    best = time.perf_counter() - start
+    for _ in range(repeats - 1):
         start = time.perf_counter()
-        result = fn()
+        fn()
         best = min(best, time.perf_counter() - start)
-        out = result if i == 0 else out
     return out, best
 
 

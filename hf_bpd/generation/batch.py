@@ -107,9 +107,9 @@ def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: di
                 generation_config, step_rows: int | None = None) -> list[DraftTree]:
     """One step's draft trees at the width `policy` chooses: each row's drafts in `width - 1` nodes (its drafter's
     paths, rescored over the first `width - 1` heads, the depths the step verifies, and prompt lookup's copy
-    best-first; a chain of the heads' argmax tokens for drafters that cannot take a
-    budget), or no drafts (a plain step; shadow drafts, the heads' argmax chains, are kept for the rows when a probe
-    is due). The heads run once for every row (`_rows_head_top`)."""
+    best-first; a chain of the heads' argmax tokens for drafters that cannot take a budget), or no drafts (a plain
+    step; shadow drafts, the heads' argmax chains, are kept for the rows when a probe is due). The heads run once for
+    every row (`_rows_head_top`)."""
     left = [generation_config.max_length - row.sequence.shape[1] for row in active]  # the step's token included
     width = policy.choose([row.index for row in active], left, step_rows)
     chains, drafting_ms, budgeted = None, None, _budgeted(plan.drafter)

@@ -7,8 +7,8 @@ root and accepted path, `k_r` entries; the slots it does not keep are holes, mas
 each row's valid slots to the right (left padding).
 
 * `RaggedCache`: a `DynamicCache` verified by the eager base. Row `r`'s kept entries move to the front of the block,
-  the cache grows by `K = max_r k_r` (row `r` leaves `K - k_r` holes) and the tail past `K` is cut; the cache is compacted when
-  that would free a quarter of it; a row that finishes leaves (its cache row is dropped).
+  the cache grows by `K = max_r k_r` (row `r` leaves `K - k_r` holes) and the tail past `K` is cut; the cache is
+  compacted when that would free a quarter of it; a row that finishes leaves (its cache row is dropped).
 * `StaticRaggedCache`: the static cache of a compiled batched step (`hf_bpd.runtime.batched`). A step's mask spans
   all `max_cache_len` slots and its attention reads the slots up to the block, so a hole costs one masked slot until
   the cache is full: it is compacted then. Nothing moves after a verification: the slots a row rejected stay where

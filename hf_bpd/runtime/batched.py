@@ -10,8 +10,9 @@ Why it pays (SmolLM2-135M fp32, AMD EPYC AVX-512, 2 threads, 512 slots): a step 
 compiled against ~110 ms eagerly. Attention reads only the slots in use (`hf_bpd::used_slots_attention`, see
 `hf_bpd.runtime.attention`): over all 512 it was ~45 % of the 16-row step. With it, 32 dev prompts x 96 tokens in
 batches of 16 decode at 247 tok/s compiled (191 reading every slot) against 119 for transformers' batched
-`generate()`. Each shape compiles in ~65-95 s, so a call compiles only the shapes it meets (`compile="wait"`), and the graphs are
-kept for every later call of the process; `compile=True` (which never blocks for minutes) verifies batches eagerly.
+`generate()`. Each shape compiles in ~65-95 s, so a call compiles only the shapes it meets (`compile="wait"`), and
+the graphs are kept for every later call of the process; `compile=True` (which never blocks for minutes) verifies
+batches eagerly.
 Each compiled graph holds its own packed copy of the weights (inductor's freezing), so a base's batched shapes share
 `MAX_GRAPH_BYTES` of them; once that is spent, a new shape runs the same step eagerly on the same cache.
 
