@@ -33,6 +33,20 @@ def test_the_budget_verifies_what_pays_for_itself():
     assert eager.choose([0.55, 0.3, 0.2, 0.1]) == 0 and eager.choose([0.55, 0.3, 0.2, 0.1], overhead_ms=200) >= 2
 
 
+def test_the_budget_weighs_how_many_nodes_to_verify():
+    """`choose_nodes`: the count of likeliest nodes with the most expected tokens per millisecond, at the measured
+    block lengths (SmolLM2 bf16-like: a block of 4 costs little more than one token, a block of 8 much more)."""
+    budget = DraftBudget({1: 10.0, 4: 11.0, 8: 16.0})
+    assert budget.choose_nodes([0.9] * 7) == 7  # (1 + 6.3) / 16 beats (1 + 2.7) / 11
+    assert budget.choose_nodes([0.6, 0.3, 0.2, 0.05, 0.05, 0.05, 0.05]) == 3  # the tail does not pay for 8
+    assert budget.choose_nodes([0.02] * 7) == 0  # a plain step: (1 + 0.06) / 11 < 1 / 10
+    assert budget.choose_nodes([0.9, 0.9]) == 2  # fewer candidates than a block holds: all of them
+    assert budget.choose_nodes([]) == 0
+    # a large fixed overhead per step (drafting) makes the longer block relatively cheaper
+    tail = [0.6, 0.3, 0.2, 0.1, 0.1, 0.1, 0.1]
+    assert budget.choose_nodes(tail) == 3 and budget.choose_nodes(tail, overhead_ms=60.0) == 7
+
+
 def test_calibration_fit_and_lookup():
     records = [(0, 0.95, True)] * 90 + [(0, 0.95, False)] * 10 + [(0, 0.15, False)] * 50 + [(1, 0.5, True)] * 3
     cal = HeadCalibration.fit(records, num_heads=2, bins=10, prior=2.0)
@@ -98,6 +112,35 @@ def test_the_calibration_steers_how_much_is_verified(one_thread, monkeypatch):
         model.config.head_calibration = None
     with pytest.raises(BPDConfigError, match="draft_schedule"):
         model.generate(ids, draft_schedule="sometimes", **kwargs)
+
+
+def test_a_node_budget_verifies_the_nodes_that_pay(one_thread, monkeypatch):
+    """With a node budget (`draft_nodes`) the cost schedule verifies the likeliest nodes up to the count that pays:
+    blocks of more than 3 tokens are made expensive here, so confident drafts get 2 nodes, never the whole budget;
+    unconfident ones none. Every output stays the base's own."""
+    import hf_bpd.generation.decoding as decoding
+
+    def costs(base, n, **_):
+        return {k: 10.0 if k == 1 else 10.5 if k <= 3 else 30.0 for k in range(1, n + 1)}
+
+    monkeypatch.setattr(decoding, "eager_costs", costs)
+    model = random_bpd("llama", 4)
+    ids = prompt_ids(5, 6)
+    kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, draft_nodes=5, num_drafts=2,
+                  draft_top_k=2, draft_schedule="cost")
+    expected = model.base_lm.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    edges = [(b + 1) / 10 for b in range(10)]
+    try:
+        model.config.head_calibration = {"edges": edges, "accept": [[1.0] * 10] * 3}  # drafts always pay
+        assert torch.equal(model.generate(ids, rescorer=OracleRescorer(expected[0].tolist()), **kwargs), expected)
+        assert set(model.last_generation_stats.draft_tokens[1:]) == {2}
+        model.config.head_calibration = {"edges": edges, "accept": [[0.0] * 10] * 3}  # drafts never pay
+        assert torch.equal(model.generate(ids, **kwargs), expected)
+        assert set(model.last_generation_stats.draft_tokens) == {0}
+    finally:
+        model.config.head_calibration = None
+    model.generate(ids, **{**kwargs, "draft_schedule": "fixed"})  # without the schedule: the whole budget
+    assert max(model.last_generation_stats.draft_tokens) == 5
 
 
 def test_calibrate_fits_every_head_and_eager_costs_are_cached(one_thread):

@@ -66,14 +66,14 @@ def test_shipped_checkpoint_tree_with_ngram_is_exact(shipped):
 @pytest.mark.artifacts  # the step install.sh built for this machine
 def test_shipped_checkpoint_default_generate_is_exact(shipped):
     """What a user gets: the checkpoint's generation_config.json (compiled verification, 4 heads, the 8 best n-gram
-    paths and prompt lookup's copy competing for the 7 draft nodes of a compiled block of 8), token for token against
-    SmolLM2's eager greedy generate()."""
+    paths and prompt lookup's copy competing for the 7 draft nodes of a compiled block of 8, of which the cost
+    schedule verifies the likeliest that pay), token for token against SmolLM2's eager greedy generate()."""
     from hf_bpd.runtime.compiled import COMPILED_DRAFT_SLOTS
 
     model, inputs, expected = shipped
     config = model.generation_config
     assert (config.compile, config.num_heads_to_use, config.rescorer, config.prompt_lookup) == (True, 4, "ngram", True)
-    assert (config.num_drafts, config.draft_nodes) == (8, COMPILED_DRAFT_SLOTS)
+    assert (config.num_drafts, config.draft_nodes, config.draft_schedule) == (8, COMPILED_DRAFT_SLOTS, "cost")
     assert model.config.head_calibration["ranks"][0] < 1  # measured: a second-best path's tokens are weighed less
     served, widest = 0, 0
     for x, want in zip(inputs, expected):
@@ -101,9 +101,10 @@ def test_readme_main_job_prints_text_block_efficiency_and_speedup(shipped, capsy
     if compiled:
         assert "verification: artifact" in out and "| plain decoding, compiled (use_heads=False, compile=True) |" in out
         assert "| bpd (heads' top-1 draft, compiled) |" in out
-        assert "| bpd + ngram + lookup, 8-best, 7 nodes, compiled (above) |" in out
+        assert "| bpd + ngram + lookup, 8-best, 7 nodes, compiled, cost schedule (above) |" in out
     else:
-        assert "| bpd (heads' top-1 draft) |" in out and "| bpd + ngram + lookup, 8-best, 7 nodes (above) |" in out
+        assert "| bpd (heads' top-1 draft) |" in out
+        assert "| bpd + ngram + lookup, 8-best, 7 nodes, cost schedule (above) |" in out
 
 
 def test_shipped_gemma_checkpoint_is_exact_and_drafts(tmp_path):

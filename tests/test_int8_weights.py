@@ -92,8 +92,10 @@ def test_compiled_int8_steps_use_int8_kernels_and_block_rows_equal_one_token_ste
 
 
 @pytest.mark.parametrize("options", [{}, {"tree": (2, 2, 1)}, {"num_drafts": 3, "draft_top_k": 2},
-                                     {"num_drafts": 3, "draft_top_k": 2, "draft_nodes": 3, "prompt_lookup": True}],
-                         ids=["chain", "tree", "pbest", "nodes"])
+                                     {"num_drafts": 3, "draft_top_k": 2, "draft_nodes": 3, "prompt_lookup": True},
+                                     {"num_drafts": 3, "draft_top_k": 2, "draft_nodes": 3, "prompt_lookup": True,
+                                      "draft_schedule": "cost"}],
+                         ids=["chain", "tree", "pbest", "nodes", "nodes-cost"])
 def test_compiled_int8_decoding_equals_compiled_plain_decoding(int8_model, options):
     assert_drafting_equals_plain(int8_model, options)
 

@@ -143,8 +143,10 @@ def test_compiled_bf16_block_rows_equal_one_token_steps(bf16_model):
 
 
 @pytest.mark.parametrize("options", [{}, {"tree": (2, 2, 1)}, {"num_drafts": 3, "draft_top_k": 2},
-                                     {"num_drafts": 3, "draft_top_k": 2, "draft_nodes": 3, "prompt_lookup": True}],
-                         ids=["chain", "tree", "pbest", "nodes"])
+                                     {"num_drafts": 3, "draft_top_k": 2, "draft_nodes": 3, "prompt_lookup": True},
+                                     {"num_drafts": 3, "draft_top_k": 2, "draft_nodes": 3, "prompt_lookup": True,
+                                      "draft_schedule": "cost"}],
+                         ids=["chain", "tree", "pbest", "nodes", "nodes-cost"])
 def test_compiled_bf16_decoding_equals_compiled_plain_decoding(bf16_model, options):
     assert_drafting_equals_plain(bf16_model, options)
 

@@ -21,7 +21,7 @@ registry of the methods below; `hf_bpd.evaluation.bench.run_bench(..., decoders=
 | `...-switch` | the same with `draft_schedule="switch"`: plain one-token steps while drafting does not pay in the call |
 | `bpd+lookup`, `bpd+NAME+lookup` (and `-compiled`, `-cost`) | the chain plus prompt lookup's path, verified together (`prompt_lookup=True`) |
 | `default` | `model.generate()` with nothing but the checkpoint's own `generation_config.json` (what a user gets) |
-| `default-fixed`, `default-switch` | the checkpoint's defaults with `draft_schedule="fixed"` (every step drafts) or `"switch"` |
+| `default-fixed`, `default-cost`, `default-switch` | the checkpoint's defaults with `draft_schedule="fixed"` (every step drafts), `"cost"` or `"switch"` |
 | `default-fp32-heads` | the same with `heads_int8=False`: the heads step reads the heads' own fp32 weights |
 
 Serial calls: `GenerationStats` counts them for BPD; for `ar` they are the new tokens; for `pld`/`early-exit` they are
@@ -212,6 +212,7 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
     # the heads' own fp32 weights in the heads step (the default drafts with int8 weights where it can).
     decoders["default"] = decode_bpd
     decoders["default-fixed"] = p(decode_bpd, draft_schedule="fixed")  # the defaults, every step drafting
+    decoders["default-cost"] = p(decode_bpd, draft_schedule="cost")  # the defaults, verifying the nodes that pay
     decoders["default-switch"] = p(decode_bpd, draft_schedule="switch")  # the defaults, plain steps where drafting
     # does not pay (`hf_bpd.generation.step_switch`)
     # the feature-level drafter's chain, alone and with prompt lookup's copy; eager, or compiled as the checkpoint's

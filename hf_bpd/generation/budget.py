@@ -6,7 +6,9 @@ the tokens before it were: the head's probability of the token it drafted, mappe
 calibration table (`hf-bpd calibrate`: measured acceptance rates per head and confidence bin on held-out prompts;
 the raw probability when the checkpoint has none). Each step takes the `k` with the most expected tokens per
 millisecond, `E(k) / (cost(k + 1) + overhead)`, where `overhead` is the call's own measured drafting time per
-step. `k = 0` is a plain one-token step.
+step. `k = 0` is a plain one-token step. With a node budget (`draft_nodes`: the heads' paths and prompt lookup's copy
+share the block) the nodes are weighed instead of depths (`DraftBudget.choose_nodes`): ranked by their chance of
+being accepted, the likeliest `n` are verified, `n` filling one of the measured block lengths.
 
 The costs come from the machine: for the compiled step, the timed forward of each compiled block length (measured
 right after compiling it); eagerly, `hf-bpd profile`'s stored table for this model, dtype, CPU and thread count,
@@ -185,6 +187,21 @@ class DraftBudget:
                 best_k, best_value = k, value
         return best_k
 
+    def choose_nodes(self, chances: list[float], overhead_ms: float = 0.0) -> int:
+        """How many draft nodes to verify, given every candidate node's chance of being accepted, likeliest first
+        (`best_first_nodes`): the count with the most expected tokens, `1 + sum` of the chosen nodes' chances, per
+        millisecond of its block. A block is charged at the cheapest measured length that holds it, so only counts
+        that fill a measured length (or take every node) are weighed; 0 is a plain one-token step."""
+        lengths = sorted(self.costs)
+        counts = sorted({min(length - 1, len(chances)) for length in lengths})
+        best_n, best_value = 0, -1.0
+        for n in counts:
+            fit = bisect.bisect_left(lengths, n + 1)
+            value = (1.0 + sum(chances[:n])) / (self.costs[lengths[fit]] + overhead_ms)
+            if value > best_value:
+                best_n, best_value = n, value
+        return best_n
+
 
 def eager_costs(base, max_length: int, past: int = 128, repeats: int = 3) -> dict[int, float]:
     """`{n: ms}` of eager base forwards of n = 1..max_length tokens (`hf_bpd.runtime.cost.eager_costs_at`: the stored
@@ -194,7 +211,8 @@ def eager_costs(base, max_length: int, past: int = 128, repeats: int = 3) -> dic
     return eager_costs_at(base, range(1, max_length + 1), past=past, repeats=repeats)
 
 
-def best_first_nodes(paths: list[tuple[tuple[int, ...], list[float]]], budget: int) -> list[tuple[int, ...]]:
+def best_first_nodes(paths: list[tuple[tuple[int, ...], list[float]]], budget: int, count=None
+                     ) -> list[tuple[int, ...]]:
     """At most `budget` draft nodes from several candidate chains, the likeliest to be accepted first.
 
     `paths` holds `(tokens, rates)`: a chain and each token's acceptance rate given the ones before it. A node (a
@@ -202,7 +220,8 @@ def best_first_nodes(paths: list[tuple[tuple[int, ...], list[float]]], budget: i
     the product of its rates (the best over the chains that hold it). The chance falls along every chain, so the
     `budget` most likely nodes form prefixes: they are returned as one draft per chain (its chosen prefix), ties
     going to the earlier chain. This is how prompt lookup's copy competes with the heads' chain for the same
-    verification slots.
+    verification slots. `count(chances)`, given the chances of the `budget` likeliest nodes in order, may take fewer
+    (`DraftBudget.choose_nodes`: `draft_schedule="cost"`).
     """
     value: dict[tuple[int, ...], float] = {}
     order: dict[tuple[int, ...], int] = {}
@@ -215,6 +234,8 @@ def best_first_nodes(paths: list[tuple[tuple[int, ...], list[float]]], budget: i
                 value[node] = chance
             order.setdefault(node, rank)
     chosen = sorted(value, key=lambda node: (-value[node], order[node], len(node)))[: max(budget, 0)]
+    if count is not None:
+        chosen = chosen[: count([value[node] for node in chosen])]
     keep = set(chosen)
     # every chosen node's prefixes are chosen too (their chance is at least as large; ties resolved by length)
     leaves = [node for node in chosen if not any(other[: len(node)] == node and other != node for other in keep)]

@@ -190,12 +190,16 @@ def plan_drafting(model, options: DraftingOptions) -> DecodingPlan:
     method += f"/{options.draft_nodes} nodes" if options.draft_nodes is not None and choices is None else ""
     drafter = BlockDrafter(model.heads, n, top_k, num_drafts, rescorer, choices, options.prompt_lookup,
                            options.draft_nodes)
-    if options.draft_schedule == "cost" and drafter.max_block_length() > MAX_COST_SCHEDULE_BLOCK:
-        raise WorkLimitError(f"draft_schedule='cost' weighs blocks of up to {MAX_COST_SCHEDULE_BLOCK} tokens, this "
-                             f"plan verifies up to {drafter.max_block_length()}: use fewer drafts (num_drafts, tree) or "
-                             "draft_schedule='fixed'")
+    schedule = options.draft_schedule
+    if schedule == "cost" and drafter.max_block_length() > MAX_COST_SCHEDULE_BLOCK:
+        if "draft_schedule" not in options.explicit:  # the checkpoint's default: this plan verifies every token
+            schedule = "fixed"
+        else:
+            raise WorkLimitError(f"draft_schedule='cost' weighs blocks of up to {MAX_COST_SCHEDULE_BLOCK} tokens, "
+                                 f"this plan verifies up to {drafter.max_block_length()}: use fewer drafts (num_drafts, "
+                                 "tree) or draft_schedule='fixed'")
     drafter.calibration = HeadCalibration.from_dict(getattr(config, "head_calibration", None))
-    return DecodingPlan(drafter=drafter, stats=GenerationStats(method=method), schedule=options.draft_schedule)
+    return DecodingPlan(drafter=drafter, stats=GenerationStats(method=method), schedule=schedule)
 
 
 def plan_plain() -> DecodingPlan:
@@ -289,6 +293,8 @@ def _blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, g
             built = time.perf_counter() - start if wait else 0.0  # an artifact built in this call
             if runner is not None:
                 buckets = sorted({1, largest} if plan.schedule in ("cost", "switch") else {largest})
+                if plan.schedule == "cost" and largest > 2:  # and a block about half as long to choose
+                    buckets = sorted({*buckets, 1 + (largest - 1) // 2})
                 top_k = head_top_k(drafter.top_k, model.config.draft_size) if heads is not None else 0
                 before = sum(runner.compiled_buckets.values()) + sum(runner.compiled_heads.values())
                 blocking = wait or runner.kind == "compiled"  # an artifact runner compiles nothing unless asked
@@ -333,6 +339,10 @@ def _within(drafts: list[tuple[int, ...]], depth: int) -> list[tuple[int, ...]]:
 def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan, budget=None,
             switch=None):
     stats, drafter, streamer = plan.stats, plan.drafter, plan.streamer
+    nodes_weighed = budget is not None and isinstance(drafter, BlockDrafter) and drafter.shares_slots()
+    if nodes_weighed:  # a node budget: the drafter verifies the likeliest nodes that pay (`choose_nodes`)
+        drafter.node_count = lambda chances: budget.choose_nodes(
+            chances, overhead_ms=1000 * stats.draft_seconds / len(stats.accepted_lengths))
     if isinstance(streamer, (list, tuple)):  # one streamer per row (batches); a batch of one
         if len(streamer) != 1:
             raise BPDConfigError(f"{len(streamer)} streamers for 1 prompt: pass one streamer per prompt")
@@ -375,7 +385,7 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
             if switch.probe_due():
                 switch.start_probe(drafter.drafts(hidden, decoded.tokens, room)[0], len(decoded.tokens))
         stats.draft_probs.append(probs)
-        if budget is not None and drafts:
+        if budget is not None and drafts and not nodes_weighed:
             steps = len(stats.accepted_lengths)
             depth = budget.choose(probs, overhead_ms=1000 * stats.draft_seconds / steps,
                                   block_cost=lambda k: 1 + len({d[:j] for d in drafts for j in range(1, k + 1)}))

@@ -43,6 +43,9 @@ class BlockDrafter:
         self.prompt_lookup = prompt_lookup
         self.head_top = None  # (hidden, next token) -> (top-k log-probs, indices) of every head; set when compiled
         self.calibration: HeadCalibration | None = None  # measured acceptance rates (`hf-bpd calibrate`)
+        # `draft_schedule="cost"` with a node budget: chances of the likeliest nodes -> how many to verify (set by the
+        # decoding loop, `DraftBudget.choose_nodes`); None: the whole budget
+        self.node_count = None
         # The draft nodes one step verifies, filled best-first from the drafts and the copy: `draft_nodes`, or, for a
         # compiled chain with prompt lookup, the compiled block's length minus its root (set by the decoding loop,
         # `hf_bpd.runtime.compiled.COMPILED_DRAFT_SLOTS`). None: every drafted token is verified.
@@ -55,14 +58,14 @@ class BlockDrafter:
 
     def max_block_length(self) -> int:
         """The most tokens one verification pass can hold: the last token plus every draft node."""
-        if self._shares_slots():
+        if self.shares_slots():
             return 1 + self.slots
         lookup = self.num_heads if self.prompt_lookup else 0
         if self.tree_choices is not None:
             return 1 + len(self.tree_choices) + lookup
         return 1 + self.num_heads * self.num_drafts + lookup
 
-    def _shares_slots(self) -> bool:
+    def shares_slots(self) -> bool:
         """A node budget: the drafts and the copy compete for `slots` draft nodes."""
         return self.slots is not None and self.tree_choices is None
 
@@ -81,14 +84,14 @@ class BlockDrafter:
         weighs)."""
         drafts, probs = self.head_drafts(hidden, context, max_length)
         best = probs[0] if probs else []
-        if self._shares_slots() and drafts:  # every draft and the copy compete for the budget's nodes
+        if self.shares_slots() and drafts:  # every draft and the copy compete for the budget's nodes
             calibration = self.calibration or HeadCalibration.default()
             paths = [(d, [r * calibration.rank_factor(rank) for r in acceptance_rates(self.calibration, p)])
                      for rank, (d, p) in enumerate(zip(drafts, probs))]
             copied = prompt_lookup(context, min(self.slots, max_length)) if self.prompt_lookup else ()
             if copied:
                 paths.append((copied, calibration.lookup_rates(len(copied))))
-            return best_first_nodes(paths, self.slots), best
+            return best_first_nodes(paths, self.slots, self.node_count), best
         if self.prompt_lookup and drafts:  # one more path
             copied = prompt_lookup(context, max(len(d) for d in drafts))
             if copied and not any(d[: len(copied)] == copied for d in drafts):

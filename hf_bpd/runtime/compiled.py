@@ -247,7 +247,7 @@ class CompiledRunner:
                     step(torch.zeros(self.base.config.get_text_config().hidden_size, dtype=self.base.dtype,
                                      device=device), 0)
             for b in buckets:
-                if b in self.compiled_buckets:
+                if b in self.compiled_buckets and b in self.bucket_ms:  # (a step compiled by `run` is timed here)
                     continue
                 # the warm-up writes after the cached context (`take_context`), which stays valid
                 past = len(self.context) if self.context is not None else 0
