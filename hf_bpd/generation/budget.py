@@ -165,6 +165,12 @@ class DraftBudget:
             self.costs[length] = highest
         self.calibration = calibration
 
+    def charge(self, length: int) -> float | None:
+        """The ms of the cheapest measured block length that holds `length` tokens (None when none does)."""
+        lengths = list(self.costs)  # sorted by length (`__init__`)
+        fit = bisect.bisect_left(lengths, length)
+        return None if fit == len(lengths) else self.costs[lengths[fit]]
+
     def choose(self, probs: list[float], overhead_ms: float = 0.0, block_cost=None) -> int:
         """How many of the drafted tokens (with head probabilities `probs`, in order) to verify.
 
@@ -173,16 +179,14 @@ class DraftBudget:
         """
         rates = acceptance_rates(self.calibration, probs)
         best_k, best_value, expected, chain = 0, -1.0, 1.0, 1.0
-        lengths = list(self.costs)
         for k in range(len(rates) + 1):
             if k > 0:
                 chain *= rates[k - 1]
                 expected += chain
-            need = (k + 1) if block_cost is None else block_cost(k)
-            fit = bisect.bisect_left(lengths, need)
-            if fit == len(lengths):
+            ms = self.charge((k + 1) if block_cost is None else block_cost(k))
+            if ms is None:
                 break
-            value = expected / (self.costs[lengths[fit]] + overhead_ms)
+            value = expected / (ms + overhead_ms)
             if value > best_value:
                 best_k, best_value = k, value
         return best_k
@@ -192,12 +196,10 @@ class DraftBudget:
         (`best_first_nodes`): the count with the most expected tokens, `1 + sum` of the chosen nodes' chances, per
         millisecond of its block. A block is charged at the cheapest measured length that holds it, so only counts
         that fill a measured length (or take every node) are weighed; 0 is a plain one-token step."""
-        lengths = sorted(self.costs)
-        counts = sorted({min(length - 1, len(chances)) for length in lengths})
+        counts = sorted({min(length - 1, len(chances)) for length in self.costs})
         best_n, best_value = 0, -1.0
         for n in counts:
-            fit = bisect.bisect_left(lengths, n + 1)
-            value = (1.0 + sum(chances[:n])) / (self.costs[lengths[fit]] + overhead_ms)
+            value = (1.0 + sum(chances[:n])) / (self.charge(n + 1) + overhead_ms)
             if value > best_value:
                 best_n, best_value = n, value
         return best_n
