@@ -13,7 +13,8 @@ import torch
 
 from hf_bpd import BlockwiseParallelForCausalLM, BPDTypeError
 from hf_bpd.runtime import compiled as verify_runtime
-from hf_bpd.runtime.int8_heads import Int8HeadsStep, load_kernel, quantize_rows, unsupported_reason
+from hf_bpd.runtime.int8_heads import (Int8HeadsStep, load_kernel, quantize_input, quantize_rows, quantizes_inputs,
+                                      unsupported_reason)
 from tests.conftest import VOCAB, tiny_base
 from tests.test_decoding import prompt_ids, random_bpd
 
@@ -80,6 +81,12 @@ def test_kernel_equals_pytorch_on_the_dequantized_weights(head_type, layers, arc
     model = random_heads_model(head_type, layers, arch, vocab)
     step = Int8HeadsStep(model.heads, 16)
     reference = verify_runtime._HeadsStep(dequantized(model.heads), 16).eval()
+    if quantizes_inputs():  # AVX512-VNNI: every layer's input vectors are rounded to int16 steps first
+        for module in reference.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(lambda _, args: (quantize_input(args[0]),))
+        project = reference.project
+        reference.project = lambda states, index=None: project(quantize_input(states), index)
     generator = torch.Generator().manual_seed(3)
     for _ in range(20):
         hidden = torch.randn(model.config.hidden_size, generator=generator)

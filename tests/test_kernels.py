@@ -86,6 +86,33 @@ def test_kernel_attention_reads_only_open_slots():
     assert torch.equal(_kernel(q, k, v, mask, None, None), before)
 
 
+def test_kernel_attention_reads_a_transposed_query_in_place():
+    """A block's query reaches the kernel as a transposed view (heads and rows swapped): read through its strides,
+    it gives what its contiguous copy gives, bit for bit."""
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 5, 4, 32, generator=generator).to(torch.bfloat16).transpose(1, 2)  # (1, 4 heads, 5 rows, 32)
+    k = torch.randn(1, 2, 64, 32, generator=generator).to(torch.bfloat16)
+    v = torch.randn(1, 2, 64, 32, generator=generator).to(torch.bfloat16)
+    mask = torch.zeros(1, 1, 5, 64, dtype=torch.bfloat16)
+    mask[..., 40:] = torch.finfo(torch.bfloat16).min
+    assert not q.is_contiguous()
+    strided = torch.ops.hf_bpd_kernels.ordered_attention(q, k, v, mask, None, 0.125)
+    assert torch.equal(strided, torch.ops.hf_bpd_kernels.ordered_attention(q.contiguous(), k, v, mask, None, 0.125))
+
+
+def test_the_packed_base_reads_its_rotary_embeddings_from_a_table(kernel_model):
+    """The packed module tree's rotary embeddings are table rows equal to the base's own module's outputs."""
+    from hf_bpd.runtime.rotary_table import RotaryTable
+
+    base = kernel_model.base_lm
+    clone = packed_base(base)
+    assert isinstance(clone.model.rotary_emb, RotaryTable) and not isinstance(base.model.rotary_emb, RotaryTable)
+    positions = torch.tensor([[0, 1, 7, 300, base.config.max_position_embeddings - 1]])
+    x = torch.zeros(1, dtype=torch.bfloat16)
+    for got, want in zip(clone.model.rotary_emb(x, positions), base.model.rotary_emb(x, positions)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 def _head_dim_16_bpd():
     """A tiny bf16 Llama whose head dim (16) the attention kernel serves, with random heads."""
     torch.manual_seed(0)

@@ -6,7 +6,11 @@ so the heads step costs what its weights weigh: SmolLM2's 4 FFN heads and their 
 47 MB in fp32 (1.35–1.6 ms per drafted step on an AMD EPYC, 2.8 ms on an Intel Xeon; `benchmarks/step_cost.py`). `Int8HeadsStep` keeps every weight matrix
 as int8 with one fp32 scale per output row (symmetric, `scale = max |row| / 127`; 12 MB) and runs all heads, the
 projection and each head's top-k in one call of a small C++ kernel (`csrc/int8_heads.cpp`, OpenMP on PyTorch's
-thread pool). Activations and sums stay fp32.
+thread pool). On CPUs with AVX512-VNNI each input vector is quantised to int16 too (one fp32 scale per vector, at most
+16,383 in magnitude) and the products are summed as exact int32 integers, 16 outputs per vector: 0.56 ms per step
+against 0.93 ms with fp32 activations (SmolLM2's heads, after a 300 MB sweep of the caches, AMD EPYC, 2 threads; top-1
+draft equal on 99.6 % of 269 real hidden states, log-probabilities within 0.009). Elsewhere activations and sums stay
+fp32.
 
 A batch's rows run in one call (`Int8HeadsStep.rows`): each weight row is read once for up to 4 (head, row)
 inputs, and every row's output is bit for bit its lone call's (the same sums in the same order).
@@ -38,6 +42,7 @@ import torch
 from ..hub.locate import cache_dir
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_heads.cpp"
+_HEADERS = [Path(__file__).resolve().parent / "csrc" / "vector_exp.h"]
 # -march=native: the kernel is built on the machine that runs it (the file name carries the CPU's features).
 _CXXFLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-DNDEBUG"]
 _lock = threading.Lock()
@@ -58,7 +63,8 @@ def cpu_features() -> str:
 
 def kernel_file() -> Path:
     """The built kernel for this source, these flags and this CPU (hashed into the file name)."""
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CXXFLAGS).encode() + cpu_features().encode())
+    sources = _SOURCE.read_bytes() + b"".join(header.read_bytes() for header in _HEADERS)
+    digest = hashlib.sha256(sources + " ".join(_CXXFLAGS).encode() + cpu_features().encode())
     return cache_dir() / "kernels" / f"libhf_bpd_int8_heads-{digest.hexdigest()[:16]}.so"
 
 
@@ -111,6 +117,24 @@ def load_kernel():
 
 def kernel_error() -> str | None:
     return _build_error
+
+
+def quantizes_inputs() -> bool:
+    """Whether this machine's kernel quantises its inputs to int16 as well (CPUs with AVX512-VNNI; see the module
+    docstring)."""
+    return {"avx512f", "avx512bw", "avx512_vnni"} <= set(cpu_features().split())
+
+
+INPUT_LEVELS = 16383  # an input vector's largest magnitude after quantisation (`quantizes_inputs`)
+
+
+def quantize_input(x: torch.Tensor) -> torch.Tensor:
+    """The values the kernel multiplies by for the input vectors `x (..., n)` where it quantises them: each vector
+    rounded to multiples of its own `max |x| / INPUT_LEVELS` (fp32)."""
+    x = x.float()
+    top = x.abs().amax(-1, keepdim=True)
+    scale = torch.where(top > 0, top / INPUT_LEVELS, torch.ones_like(top))
+    return torch.round(x * (1 / scale)) * scale
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,7 +41,7 @@ def _torch_flags() -> list[str]:
 
 def kernel_file() -> Path:
     """The built library for these sources, flags, this CPU and this PyTorch (hashed into the file name)."""
-    key = b"".join(source.read_bytes() for source in _SOURCES)
+    key = b"".join(source.read_bytes() for source in (*_SOURCES, _SOURCES[0].parent / "vector_exp.h"))
     key += " ".join(_CXXFLAGS).encode() + cpu_features().encode() + torch.__version__.encode()
     return cache_dir() / "kernels" / f"libhf_bpd_kernels-{hashlib.sha256(key).hexdigest()[:16]}.so"
 

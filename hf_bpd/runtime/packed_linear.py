@@ -9,8 +9,9 @@ the multiply units busy for 8-16 (measured on SmolLM2's shapes, AMD EPYC, 2 thre
 
 `packed_base(base)` is the module tree the compiled steps of a bf16 or `Int8WeightsConfig` base run: a copy of the
 base's modules sharing every parameter, buffer and config with it, whose linear layers are `PackedLinear`s holding the
-weights packed for the kernel (one extra copy of the linear weights per base, shared by all its compiled shapes). The
-base itself is not changed: its own `generate()` runs as loaded.
+weights packed for the kernel (one extra copy of the linear weights per base, shared by all its compiled shapes), and
+whose rotary embeddings are read from a table (`hf_bpd.runtime.rotary_table`). The base itself is not changed: its own
+`generate()` runs as loaded.
 
 The kernel is built on first use (`hf_bpd.runtime.kernels`); `HF_BPD_KERNELS=0` keeps inductor's GEMMs instead.
 """
@@ -26,6 +27,7 @@ from torch import nn
 
 from .int8_weights import Int8WeightLinear
 from .kernels import LANES, kernels_unsupported_reason
+from .rotary_table import table_rotary_embeddings
 
 _CLONES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> its packed module tree
 _lock = threading.Lock()
@@ -90,6 +92,9 @@ def packed_base(base) -> nn.Module | None:
                 replaced += 1
         if not replaced:
             return None
+        positions = getattr(getattr(base, "config", None), "max_position_embeddings", None)
+        if isinstance(positions, int):
+            table_rotary_embeddings(clone, positions)
         _CLONES[base] = clone
         return clone
 

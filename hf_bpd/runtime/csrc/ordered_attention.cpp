@@ -12,6 +12,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "vector_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <utility>
@@ -21,25 +23,6 @@ namespace {
 
 constexpr float kClosed = -1e38f;  // an additive mask at or below this closes a position
 
-// exp for 16 lanes: 2^n * p(r), r = x - n ln2 (Cody-Waite), degree-6 polynomial; 0 below -87.
-inline __m512 exp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), p, n);
-}
 
 inline __m512 load_bf16(const at::BFloat16* p) {  // 16 bf16 -> fp32
     return _mm512_castsi512_ps(
@@ -73,6 +56,7 @@ struct Problem {
     const int64_t* order;  // (rows, slots) key slots by position, or null: position p is slot p
     at::BFloat16* out;
     int64_t heads, rows, slots, groups;
+    int64_t q_batch, q_head, q_row;  // the query's strides (its last dimension is contiguous)
     float scale;
 };
 
@@ -89,7 +73,7 @@ void attend(const Problem& pr, int64_t b, int64_t r, int64_t h0, int64_t count, 
     const at::BFloat16* mrow = pr.mask + (b * pr.rows + r) * pr.slots;
     const int64_t* orow = pr.order ? pr.order + r * pr.slots : nullptr;
     for (int64_t i = 0; i < count; ++i) {  // scores, then softmax weights, per head
-        const at::BFloat16* qrow = pr.q + ((b * pr.heads + h0 + i) * pr.rows + r) * dim;
+        const at::BFloat16* qrow = pr.q + b * pr.q_batch + (h0 + i) * pr.q_head + r * pr.q_row;
         __m512bh qv[NP + TAIL];
         for (int c = 0; c < NP; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qrow + c * 32);
         if (TAIL) qv[NP] = (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, qrow + NP * 32);
@@ -117,7 +101,7 @@ void attend(const Problem& pr, int64_t b, int64_t r, int64_t h0, int64_t count, 
         const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
         __m512 sums = _mm512_setzero_ps();
         for (int64_t p0 = 0; p0 < padded; p0 += 16) {
-            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(w + p0), shift));
+            __m512 e = hf_bpd::exp16(_mm512_sub_ps(_mm512_loadu_ps(w + p0), shift));
             _mm512_storeu_ps(w + p0, e);
             sums = _mm512_add_ps(sums, e);
         }
@@ -169,7 +153,10 @@ at::Tensor ordered_attention(const at::Tensor& query, const at::Tensor& key, con
                 "ordered_attention: a head dim that is a multiple of 16, at most 256");
     TORCH_CHECK(mask.dim() == 4 && mask.size(0) == batch && mask.size(1) == 1 && mask.size(2) == rows &&
                     mask.size(3) == slots, "ordered_attention: an additive (batch, 1, rows, slots) mask");
-    at::Tensor q = query.contiguous(), k = key.contiguous(), v = value.contiguous(), m = mask.contiguous();
+    // The query is read through its strides: a block's query is a transposed view, and copying it cost ~10 us a
+    // layer (SmolLM2, 8 rows).
+    at::Tensor q = query.stride(3) == 1 ? query : query.contiguous();
+    at::Tensor k = key.contiguous(), v = value.contiguous(), m = mask.contiguous();
     at::Tensor order;
     if (key_slots.has_value() && key_slots->defined()) order = key_slots->to(at::kLong).contiguous();
     const at::BFloat16* mp = m.data_ptr<at::BFloat16>();
@@ -185,7 +172,7 @@ at::Tensor ordered_attention(const at::Tensor& query, const at::Tensor& key, con
     const int64_t groups = heads / kv_heads, splits = (groups + kGroup - 1) / kGroup;
     const Problem pr{q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), mp,
                      order.defined() ? order.data_ptr<int64_t>() : nullptr, out.data_ptr<at::BFloat16>(),
-                     heads, rows, slots, groups, static_cast<float>(scaling)};
+                     heads, rows, slots, groups, q.stride(0), q.stride(1), q.stride(2), static_cast<float>(scaling)};
     const Attend run = pick(dim / 16, std::make_integer_sequence<int, 16>{});
     const int64_t most = (*std::max_element(length.begin(), length.end()) + 15) / 16 * 16;
     // one unit: a row's query heads of one key/value head (up to kGroup of them)
