@@ -175,15 +175,15 @@ def eager_costs_at(base, lengths, past: int = 128, repeats: int = 3) -> dict[int
         for n, ms in zip(stored["lengths"], stored["eager_ms"]):
             known.setdefault(n, ms)
     path = eager_cost_file(base)
-    if any(n not in known for n in lengths):
-        for n, ms in _read_lengths(path).items():
-            known.setdefault(n, ms)
+    on_file = _read_lengths(path) if any(n not in known for n in lengths) else {}
+    for n, ms in on_file.items():
+        known.setdefault(n, ms)
     missing = [n for n in lengths if n not in known]
     if missing:
         measured = measure_costs(base, missing, compiled=False, past=past, repeats=repeats)
         fresh = dict(zip(measured["lengths"], measured["eager_ms"]))
         known.update(fresh)
-        kept = {**_read_lengths(path), **fresh}
+        kept = {**on_file, **fresh}
         try:  # best effort: a read-only cache only means measuring again in the next process
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_suffix(f".{os.getpid()}.tmp")

@@ -42,7 +42,7 @@ import torch
 from ..hub.locate import cache_dir
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_heads.cpp"
-_HEADERS = [Path(__file__).resolve().parent / "csrc" / "vector_exp.h"]
+HEADERS = [Path(__file__).resolve().parent / "csrc" / "vector_exp.h"]  # included by both kernel libraries
 # -march=native: the kernel is built on the machine that runs it (the file name carries the CPU's features).
 _CXXFLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-DNDEBUG"]
 _lock = threading.Lock()
@@ -63,7 +63,7 @@ def cpu_features() -> str:
 
 def kernel_file() -> Path:
     """The built kernel for this source, these flags and this CPU (hashed into the file name)."""
-    sources = _SOURCE.read_bytes() + b"".join(header.read_bytes() for header in _HEADERS)
+    sources = _SOURCE.read_bytes() + b"".join(header.read_bytes() for header in HEADERS)
     digest = hashlib.sha256(sources + " ".join(_CXXFLAGS).encode() + cpu_features().encode())
     return cache_dir() / "kernels" / f"libhf_bpd_int8_heads-{digest.hexdigest()[:16]}.so"
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..hub.locate import cache_dir
-from .int8_heads import compile_library, cpu_features
+from .int8_heads import HEADERS, compile_library, cpu_features
 
 _SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("packed_linear.cpp", "ordered_attention.cpp")]
 _CXXFLAGS = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-DNDEBUG", "-w"]
@@ -41,7 +41,7 @@ def _torch_flags() -> list[str]:
 
 def kernel_file() -> Path:
     """The built library for these sources, flags, this CPU and this PyTorch (hashed into the file name)."""
-    key = b"".join(source.read_bytes() for source in (*_SOURCES, _SOURCES[0].parent / "vector_exp.h"))
+    key = b"".join(source.read_bytes() for source in (*_SOURCES, *HEADERS))
     key += " ".join(_CXXFLAGS).encode() + cpu_features().encode() + torch.__version__.encode()
     return cache_dir() / "kernels" / f"libhf_bpd_kernels-{hashlib.sha256(key).hexdigest()[:16]}.so"
 
