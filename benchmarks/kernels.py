@@ -1,7 +1,9 @@
 """hf_bpd's packed GEMM (`hf_bpd.runtime.packed_linear`) against PyTorch's CPU kernels on SmolLM2-135M's layer shapes:
 microseconds per call for 1, 4, 8 and 16 rows, random weights (in the CPU caches between calls: the output layer's
 56 MB excepted, this measures arithmetic, not memory), and whether each kernel's rows equal the same rows computed
-one by one (row invariance, what exact drafting in half precision needs). Then hf_bpd's ordered attention
+one by one (row invariance, what exact drafting in half precision needs). On CPUs with AMX the packed GEMM runs
+on the tile unit (its engine in this process, `torch.ops.hf_bpd_kernels.packed_linear_engine()`); its AVX512-BF16
+path is measured beside it. Then hf_bpd's ordered attention
 (`csrc/ordered_attention.cpp`) against PyTorch's `scaled_dot_product_attention` on one SmolLM2 layer's static cache
 (9 query heads, 3 key/value heads of 64 dims, 512 slots) with 160 and 400 positions in use.
 
@@ -81,10 +83,15 @@ def main():
     if reason is not None:
         raise SystemExit(f"hf_bpd's kernels do not run here: {reason}")
     capability = torch.backends.cpu.get_cpu_capability()
-    print(f"CPU capability {capability}, {args.threads} threads, torch {torch.__version__}")
+    choose = torch.ops.hf_bpd_kernels.packed_linear_engine
+    engine = choose()
+    print(f"CPU capability {capability}, {args.threads} threads, torch {torch.__version__}, packed GEMM engine {engine}")
     rows_out = []
-    print("| shape | rows | PyTorch bf16 linear | hf_bpd bf16 | PyTorch int8 (`_weight_int8pack_mm`) | hf_bpd int8 |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    amx = engine == "amx"
+    extra = " | hf_bpd bf16 (AVX512 path) | hf_bpd int8 (AVX512 path)" if amx else ""
+    print("| shape | rows | PyTorch bf16 linear | hf_bpd bf16 | PyTorch int8 (`_weight_int8pack_mm`) | hf_bpd int8"
+          f"{extra} |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if amx else ""))
     torch.manual_seed(0)
     for name, (n, k) in SHAPES.items():
         layer = nn.Linear(k, n, bias=False).to(torch.bfloat16)
@@ -97,6 +104,17 @@ def main():
             "torch_int8": lambda x: torch._weight_int8pack_mm(x, int8.weight, scale),
             "hf_bpd_int8": packed8,
         }
+        if amx:  # the same kernels on the AVX512-BF16 path: the engine is switched around each call
+            def on_avx512(fn):
+                def call(x):
+                    choose("avx512")
+                    try:
+                        return fn(x)
+                    finally:
+                        choose(engine)
+                return call
+            kernels["hf_bpd_bf16_avx512"] = on_avx512(packed)
+            kernels["hf_bpd_int8_avx512"] = on_avx512(packed8)
         with torch.no_grad():
             for m in (1, 4, 8, 16):
                 x = torch.randn(m, k).to(torch.bfloat16)
@@ -113,7 +131,7 @@ def main():
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": args.threads,
-                       "torch": torch.__version__, "rows": rows_out}, f, indent=1)
+                       "torch": torch.__version__, "packed_linear_engine": engine, "rows": rows_out}, f, indent=1)
         print(f"wrote {args.output}")
 
 

@@ -1,5 +1,6 @@
 """`hf_bpd.bench`: prompt files, and every method on a tiny checkpoint with the real SmolLM2 tokenizer."""
 
+import importlib.util
 import json
 
 import pytest
@@ -146,7 +147,11 @@ def test_bench_every_method_is_exact(loaded, tmp_path):
     assert "Machine:" not in text  # run_bench alone reports no machine; the CLI's report names the CPU
 
     line = markdown_report({**report, "machine": machine_info()}).splitlines()[-1]
-    assert line.startswith("Machine: ") and f"({torch.backends.cpu.get_cpu_capability()})" in line
+    features = machine_info()["cpu_features"]
+    capability = torch.backends.cpu.get_cpu_capability() + (f"; {', '.join(features)}" if features else "")
+    assert line.startswith("Machine: ") and f"({capability})" in line
+    flags = open("/proc/cpuinfo").read().split()
+    assert features == [name for name in ("avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if name in flags]
     written = plot_report(report, tmp_path / "plots")
     assert all((tmp_path / "plots" / name).exists() for name in ("speedup.png", "block_efficiency.png"))
     assert len(written) == 2
@@ -270,8 +275,6 @@ def test_method_names_do_not_follow_the_checkpoints_own_defaults(checkpoint):
 
 def test_profile_script_smoke(checkpoint, tmp_path, capsys):
     """benchmarks/profile_decoding.py on the tiny checkpoint: every part is a share of generate() time."""
-    import importlib.util
-
     from tests.test_training import ROOT
 
     spec = importlib.util.spec_from_file_location("profile_decoding", ROOT / "benchmarks" / "profile_decoding.py")
@@ -293,8 +296,6 @@ def test_profile_script_smoke(checkpoint, tmp_path, capsys):
 def test_draft_slots_script_smoke(checkpoint, tmp_path, capsys):
     """benchmarks/draft_slots.py on the tiny checkpoint made compiled + prompt lookup by default: every plan's output
     equals compiled plain decoding's, and the 7-node plan compiles a block of 8."""
-    import importlib.util
-
     from hf_bpd.runtime import compiled as verify_runtime
     from tests.test_training import ROOT
 
@@ -369,6 +370,27 @@ def test_llama_cpp_method_is_skipped_with_a_note(loaded, tmp_path, monkeypatch):
     report = run_bench(model, tokenizer, questions, ["ar", "llama.cpp"], decoders, max_new_tokens=4, progress=False)
     assert report["skipped"]["llama.cpp"].startswith("llama-cpp-python is not installed: pip install 'hf_bpd[llama]'")
     assert report["methods"] == ["ar"]
+
+
+def test_a_llama_cpp_that_crashes_or_fails_is_skipped_with_what_to_do(tmp_path, monkeypatch):
+    """llama.cpp is probed in a child process first: a build that crashes on this CPU (a signal) or fails on the file
+    skips the column with a note (the rebuild without AMX for a crash) instead of taking the bench down."""
+    from hf_bpd.evaluation import llama_cpp
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(llama_cpp, "_PROBED", {})
+    monkeypatch.setattr(llama_cpp, "PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    reason = llama_cpp.probe(gguf, 2)
+    assert reason.startswith("llama.cpp crashed (SIGSEGV) decoding model.gguf") and "GGML_AMX_INT8=OFF" in reason
+    assert llama_cpp.probe(gguf, 2) is reason  # once per process and file
+    monkeypatch.setattr(llama_cpp, "_PROBED", {})
+    monkeypatch.setattr(llama_cpp, "PROBE", "raise SystemExit('bad magic')")
+    assert llama_cpp.probe(gguf, 2) == "llama.cpp failed on model.gguf: bad magic"
+    if importlib.util.find_spec("llama_cpp") is not None:  # the real probe on a file that is no model
+        monkeypatch.undo()
+        monkeypatch.setattr(llama_cpp, "_PROBED", {})
+        assert llama_cpp.probe(gguf, 1).startswith("llama.cpp failed on model.gguf")
 
 
 def test_llama_cpp_decodes_the_packaged_gguf(smollm2):

@@ -4,6 +4,7 @@ steps of a bf16 base run them, and its drafted decoding equals its plain decodin
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,28 +29,65 @@ pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"hf_bpd's kernels: 
               pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
+CPU_HAS_AMX = "amx_bf16" in open("/proc/cpuinfo").read().split()
+
+
+def _engines() -> list[str]:
+    """The packed GEMM's engines this process can run: AVX512-BF16, and AMX where the CPU has it and Linux grants it."""
+    if REASON is not None:
+        return ["avx512"]
+    choose = torch.ops.hf_bpd_kernels.packed_linear_engine
+    before = choose()
+    engines = ["avx512"] + (["amx"] if choose("amx") == "amx" else [])
+    choose(before)
+    return engines
+
+
+ENGINES = _engines()
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request):
+    """The packed GEMM's engine for one test (AVX512-BF16 everywhere; AMX tiles where the CPU has them), restored
+    after it."""
+    choose = torch.ops.hf_bpd_kernels.packed_linear_engine
+    before = choose()
+    assert choose(request.param) == request.param
+    yield request.param
+    choose(before)
+
+
+def test_the_packed_gemm_runs_on_amx_where_the_cpu_has_it():
+    engine = torch.ops.hf_bpd_kernels.packed_linear_engine()
+    assert engine == ("amx" if CPU_HAS_AMX and os.environ.get("HF_BPD_AMX") != "0" else "avx512")
+    with pytest.raises(RuntimeError, match="'amx' or 'avx512'"):
+        torch.ops.hf_bpd_kernels.packed_linear_engine("tiles")
+
+
 @pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
-def test_packed_linear_rows_equal_lone_rows_and_the_layer(int8, bias):
-    """Any number of rows (register tiles of 4 and 8, tails of 1-7): each equals the same row alone, bit for bit, and
-    the layer it packs within bf16 rounding."""
+@pytest.mark.parametrize("inputs", [96, 90], ids=["k96", "k90"])
+def test_packed_linear_rows_equal_lone_rows_and_the_layer(int8, bias, inputs, engine):
+    """Any number of rows (register tiles of 4 and 8, tails of 1-7; AMX tiles of 16 rows and a tail): each equals the
+    same row alone, bit for bit, and the layer it packs within bf16 rounding. 90 inputs (not whole AMX tiles) take
+    the AVX512 path on either engine."""
     torch.manual_seed(0)
-    layer = nn.Linear(96, 80, bias=bias).to(torch.bfloat16)
+    layer = nn.Linear(inputs, 80, bias=bias).to(torch.bfloat16)
     if int8:
         layer = Int8WeightLinear.from_linear(layer)
     packed = PackedLinear.of(layer)
     assert packed is not None
-    x = torch.randn(17, 96).to(torch.bfloat16)
+    x = torch.randn(37, inputs).to(torch.bfloat16)
     with torch.no_grad():
         whole = packed(x)
         reference = layer(x)
-        for rows in (1, 3, 4, 5, 8, 12, 17):
+        for rows in (1, 3, 4, 5, 8, 12, 16, 17, 37):
             block = packed(x[:rows])
             for row in range(rows):
                 assert torch.equal(block[row], packed(x[row:row + 1])[0]), (rows, row)
             assert torch.equal(block, whole[:rows])
     torch.testing.assert_close(whole.float(), reference.float(), atol=3e-2, rtol=2e-2)
-    assert whole.dtype == torch.bfloat16 and packed(x.reshape(1, 17, 96)).shape == (1, 17, 80)
+    assert whole.dtype == torch.bfloat16 and packed(x.reshape(1, 37, inputs)).shape == (1, 37, 80)
 
 
 def test_packed_linear_serves_only_shapes_it_packs():
@@ -197,4 +235,5 @@ def test_kernel_benchmark_smoke(tmp_path):
     gemms = [row for row in rows if not row["shape"].startswith("attention")]
     assert len(gemms) == 20 and len(rows) == 26
     assert all(row["hf_bpd_bf16_row_invariant"] and row["hf_bpd_int8_row_invariant"] for row in gemms)
+    assert all(row.get(f"hf_bpd_{kind}_avx512_row_invariant", True) for row in gemms for kind in ("bf16", "int8"))
     assert all(row["hf_bpd_attention_row_invariant"] for row in rows[20:])

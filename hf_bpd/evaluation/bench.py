@@ -151,6 +151,7 @@ def machine_info() -> dict:
     return {
         "cpu": cpu,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the kernels' instruction set (AVX512, AVX2, ...)
+        "cpu_features": cpu_feature_names(),  # what half-precision and int8 speed depends on (bf16, VNNI, AMX)
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -161,6 +162,19 @@ def machine_info() -> dict:
         "platform": platform.platform(),
         "load_average": list(load) if load else None,
     }
+
+
+HALF_PRECISION_FEATURES = ("avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+
+
+def cpu_feature_names() -> list[str]:
+    """The CPU's flags among `HALF_PRECISION_FEATURES` (empty where /proc/cpuinfo has none or cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return [name for name in HALF_PRECISION_FEATURES if name in flags]
 
 
 def _sample_record(question: dict, turn: int, method: str, prompt_length: int, new_ids: list[int], seconds: float,
@@ -371,8 +385,10 @@ def print_figures(result: dict, output=None, details=("rows",)) -> None:
 
 
 def machine_line(machine: dict) -> str:
-    """`Machine: AMD EPYC (AVX512), 2 threads, torch 2.13.0+cpu, transformers 5.24.0`."""
-    return (f"Machine: {machine.get('cpu')} ({machine.get('cpu_capability', '?')}), {machine.get('threads')} threads, "
+    """`Machine: AMD EPYC (AVX512; avx512_bf16, avx512_vnni), 2 threads, torch 2.13.0+cpu, transformers 5.24.0`."""
+    features = machine.get("cpu_features")
+    capability = machine.get("cpu_capability", "?") + (f"; {', '.join(features)}" if features else "")
+    return (f"Machine: {machine.get('cpu')} ({capability}), {machine.get('threads')} threads, "
             f"torch {machine.get('torch')}, transformers {machine.get('transformers')}")
 
 

@@ -8,11 +8,18 @@ other methods get (the prompt through the tokenizer's chat template), decodes wi
 0, no repetition penalty) on as many threads as torch uses, and stops at the base's end-of-sequence tokens or the
 token budget; the prompt pass is timed, as for every method. Its weights are the GGUF's quantized ones, read by
 llama.cpp's own kernels, so its output may differ from the dequantized base's (the report's `exact` says).
+
+llama.cpp is first run once in a child process (`probe`): a build whose kernels crash on this CPU (llama.cpp's AMX
+backend segfaults on some Intel Xeons, ggml-org/llama.cpp#20824) would otherwise take the whole bench down with it;
+the column is then skipped with the way to rebuild llama.cpp without AMX.
 """
 
 from __future__ import annotations
 
 import atexit
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -22,6 +29,13 @@ from ..generation.stats import GenerationStats
 
 INSTALL = "pip install 'hf_bpd[llama]' (builds llama.cpp, ~8 minutes)"
 _LOADED: dict[tuple, object] = {}  # (path, threads, n_ctx) -> llama_cpp.Llama: loaded once per process
+_PROBED: dict[tuple, str | None] = {}  # (path, threads) -> why llama.cpp cannot decode it here (None: it can)
+NO_AMX = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON '
+          '-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" '
+          'pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python')
+# loads the GGUF and decodes 4 tokens greedily: what the column does, in a child process
+PROBE = ("import sys, llama_cpp; m = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=int(sys.argv[2]), "
+         "verbose=False); [t for _, t in zip(range(4), m.generate([1, 2, 3], top_k=1, temp=0.0))]; m.close()")
 
 
 def gguf_of(model, gguf: str | Path | None = None) -> Path:
@@ -42,11 +56,37 @@ def gguf_of(model, gguf: str | Path | None = None) -> Path:
     return PACKAGED_MODELS[alias].gguf()
 
 
+def probe(path: Path, threads: int, timeout: float = 120) -> str | None:
+    """Why llama.cpp cannot decode `path` on this machine (a crash or an error in a child process), or None when
+    it can; once per process and file."""
+    key = (str(path), threads)
+    if key not in _PROBED:
+        try:
+            done = subprocess.run([sys.executable, "-c", PROBE, str(path), str(threads)], capture_output=True,
+                                  text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _PROBED[key] = f"llama.cpp did not decode 4 tokens of {path.name} within {timeout:.0f} s"
+        else:
+            if done.returncode < 0:
+                name = signal.Signals(-done.returncode).name
+                _PROBED[key] = (f"llama.cpp crashed ({name}) decoding {path.name} on this CPU (its AMX kernels do on "
+                                f"some Xeons, ggml-org/llama.cpp#20824); rebuild it without AMX: {NO_AMX}")
+            elif done.returncode:
+                last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+                _PROBED[key] = f"llama.cpp failed on {path.name}: {last}"
+            else:
+                _PROBED[key] = None
+    return _PROBED[key]
+
+
 def _llama(path: Path, threads: int, n_ctx: int):
     try:
         import llama_cpp
     except ImportError:
         raise MethodSkipped(f"llama-cpp-python is not installed: {INSTALL}") from None
+    reason = probe(path, threads)
+    if reason is not None:
+        raise MethodSkipped(reason)
     key = (str(path), threads, n_ctx)
     if key not in _LOADED:
         _close_all()  # one model at a time

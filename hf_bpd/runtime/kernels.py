@@ -1,7 +1,8 @@
 """hf_bpd's PyTorch operators for bf16 and int8-weight bases on CPUs with AVX512-BF16 (`torch.ops.hf_bpd_kernels`):
 
 * `packed_linear(x, packed, scale, bias)`: the row-invariant GEMM of `hf_bpd.runtime.packed_linear`
-  (`csrc/packed_linear.cpp`);
+  (`csrc/packed_linear.cpp`), on AMX tiles where the CPU has them; `packed_linear_engine(choose=None)` names (or,
+  for tests and benchmarks, sets) the engine of this process: "amx" or "avx512";
 * `ordered_attention(query, key, value, mask, key_slots, scaling)`: position-ordered attention over the cache slots
   in use (`hf_bpd.runtime.ordered_attention`, `csrc/ordered_attention.cpp`).
 

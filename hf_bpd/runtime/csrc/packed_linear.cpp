@@ -7,6 +7,12 @@
 // therefore bit-identical to the same row computed alone, which is what makes drafting exact in half precision.
 // Rounding points follow the eager layers: bf16 (+ bias) -> bf16 for nn.Linear; for int8 weights, as
 // Int8WeightLinear: bf16(sum) * scale -> bf16, + bias -> bf16.
+//
+// On CPUs with AMX (and a kernel that grants this process the tile registers) the same packed layout feeds the
+// tile unit: a (16 pairs x 16 outputs) slice of the packed weight is one 1 KB B tile as stored, and TDPBF16PS sums
+// each output pair after pair in the same fixed order for every row (each row of the A tile is its own dot product).
+// Rows stay bit-identical to lone rows on that path too; it is chosen once per process (shapes with K % 32 != 0
+// always take the AVX512-BF16 path), so a block and a one-token step of the same layer run the same instructions.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -14,6 +20,14 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HF_BPD_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -41,6 +55,13 @@ inline __m512 round_bf16(__m512 v) {  // fp32 -> bf16 (round to nearest even) ->
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
 }
 
+// One row's 16 sums -> bf16 outputs, rounding where the eager layer rounds.
+inline void finish(__m512 v, const float* scale, __m512 s, const float* bias, __m512 c, uint16_t* y) {
+    if (scale) v = round_bf16(_mm512_mul_ps(round_bf16(v), s));
+    if (bias) v = _mm512_add_ps(v, c);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 // MR rows x NB blocks of 16 outputs: accumulate over all K/2 pairs, then round and store.
 template <int MR, int NB, typename W>
 inline void tile(const uint32_t* x, int64_t ldx, const W* w, int64_t block_stride, int64_t pairs,
@@ -59,12 +80,7 @@ inline void tile(const uint32_t* x, int64_t ldx, const W* w, int64_t block_strid
     for (int b = 0; b < NB; ++b) {
         __m512 s = scale ? _mm512_loadu_ps(scale + b * kLanes) : _mm512_setzero_ps();
         __m512 c = bias ? _mm512_loadu_ps(bias + b * kLanes) : _mm512_setzero_ps();
-        for (int m = 0; m < MR; ++m) {
-            __m512 v = acc[m][b];
-            if (scale) v = round_bf16(_mm512_mul_ps(round_bf16(v), s));
-            if (bias) v = _mm512_add_ps(v, c);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + b * kLanes), (__m256i)_mm512_cvtneps_pbh(v));
-        }
+        for (int m = 0; m < MR; ++m) finish(acc[m][b], scale, s, bias, c, y + m * ldy + b * kLanes);
     }
 }
 
@@ -109,6 +125,133 @@ void run(int64_t rows, const uint32_t* x, int64_t pairs, const W* w, int64_t blo
     });
 }
 
+#ifdef HF_BPD_AMX
+// ---- AMX: tiles 0-3 hold the sums of 4 blocks of 16 outputs (rows x 16 fp32), tile 4 the rows' next 32 inputs,
+// tiles 5 and 6 a block's next 16 input pairs (as packed; int8 weights widened to bf16 first).
+constexpr int64_t kTilePairs = 16;  // input pairs per tile step (32 inputs, 64 bytes of a bf16 row)
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+inline void configure_tiles(int64_t rows) {
+    TileConfig config;
+    for (int t = 0; t < 4; ++t) config.colsb[t] = 64, config.rows[t] = static_cast<uint8_t>(rows);
+    config.colsb[4] = 64, config.rows[4] = static_cast<uint8_t>(rows);
+    for (int t = 5; t < 7; ++t) config.colsb[t] = 64, config.rows[t] = kTilePairs;
+    _tile_loadconfig(&config);
+}
+
+inline void memory_fence() { asm volatile("" ::: "memory"); }  // a compiler barrier only
+
+inline const void* b_tile(const uint16_t* w, uint16_t*) { return w; }
+
+inline const void* b_tile(const int8_t* w, uint16_t* scratch) {  // 16 pairs x 16 outputs of int8 -> bf16, exact
+    for (int64_t r = 0; r < kTilePairs; ++r)
+        _mm512_store_si512(scratch + r * 2 * kLanes, (__m512i)load_weights(w + r * 2 * kLanes));
+    memory_fence();  // the tile intrinsics are asm without a memory operand: keep the stores before the load
+    return scratch;
+}
+
+#define HF_BPD_AMX_STEP(T, B)                                                              \
+    if (NB > T) {                                                                          \
+        _tile_loadd(B, b_tile(w + T * block_stride + k * 2 * kLanes, scratch[T & 1]), 64); \
+        _tile_dpbf16ps(T, 4, B);                                                           \
+    }
+
+// rows (<= 16) x NB (<= 4) blocks of 16 outputs over all K/2 pairs (a multiple of 16).
+template <int NB, typename W>
+void amx_tile(int64_t rows, const uint16_t* x, int64_t ldx, const W* w, int64_t block_stride, int64_t pairs,
+              const float* scale, const float* bias, uint16_t* y, int64_t ldy) {
+    alignas(64) uint16_t scratch[2][kTilePairs * 2 * kLanes];
+    alignas(64) float sums[16 * kLanes];
+    _tile_zero(0);
+    if (NB > 1) _tile_zero(1);
+    if (NB > 2) _tile_zero(2);
+    if (NB > 3) _tile_zero(3);
+    for (int64_t k = 0; k < pairs; k += kTilePairs) {
+        _tile_loadd(4, x + k * 2, ldx * 2);
+        HF_BPD_AMX_STEP(0, 5) HF_BPD_AMX_STEP(1, 6) HF_BPD_AMX_STEP(2, 5) HF_BPD_AMX_STEP(3, 6)
+    }
+    for (int b = 0; b < NB; ++b) {
+        switch (b) {
+            case 0: _tile_stored(0, sums, kLanes * 4); break;
+            case 1: _tile_stored(1, sums, kLanes * 4); break;
+            case 2: _tile_stored(2, sums, kLanes * 4); break;
+            default: _tile_stored(3, sums, kLanes * 4); break;
+        }
+        memory_fence();
+        __m512 s = scale ? _mm512_loadu_ps(scale + b * kLanes) : _mm512_setzero_ps();
+        __m512 c = bias ? _mm512_loadu_ps(bias + b * kLanes) : _mm512_setzero_ps();
+        for (int64_t m = 0; m < rows; ++m)
+            finish(_mm512_load_ps(sums + m * kLanes), scale, s, bias, c, y + m * ldy + b * kLanes);
+    }
+}
+#undef HF_BPD_AMX_STEP
+
+template <typename W>
+void amx_run(int64_t rows, const uint16_t* x, int64_t pairs, const W* w, int64_t blocks, const float* scale,
+             const float* bias, uint16_t* y, int64_t n) {
+    const int64_t block_stride = pairs * 2 * kLanes, groups = (blocks + 3) / 4;
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+            const int64_t mr = std::min<int64_t>(16, rows - m0);
+            configure_tiles(mr);
+            for (int64_t g = begin; g < end; ++g) {
+                const int64_t b0 = g * 4, count = std::min<int64_t>(4, blocks - b0);
+                const float* sg = scale ? scale + b0 * kLanes : nullptr;
+                const float* cg = bias ? bias + b0 * kLanes : nullptr;
+                const W* wg = w + b0 * block_stride;
+                const uint16_t* xm = x + m0 * pairs * 2;
+                uint16_t* yg = y + m0 * n + b0 * kLanes;
+                switch (count) {
+                    case 4: amx_tile<4>(mr, xm, pairs * 2, wg, block_stride, pairs, sg, cg, yg, n); break;
+                    case 3: amx_tile<3>(mr, xm, pairs * 2, wg, block_stride, pairs, sg, cg, yg, n); break;
+                    case 2: amx_tile<2>(mr, xm, pairs * 2, wg, block_stride, pairs, sg, cg, yg, n); break;
+                    default: amx_tile<1>(mr, xm, pairs * 2, wg, block_stride, pairs, sg, cg, yg, n); break;
+                }
+            }
+        }
+        _tile_release();
+    });
+}
+
+bool amx_granted() {  // Linux hands a process the AMX tile state only on request
+    static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return granted;
+}
+#endif
+
+// The engine of this process: "amx" where built for and granted (HF_BPD_AMX=0 declines it), else "avx512".
+int engine = -1;  // -1 undecided, 0 avx512, 1 amx
+
+bool use_amx() {
+    if (engine < 0) {
+#ifdef HF_BPD_AMX
+        const char* env = std::getenv("HF_BPD_AMX");
+        engine = (env && std::string(env) == "0") ? 0 : (amx_granted() ? 1 : 0);
+#else
+        engine = 0;
+#endif
+    }
+    return engine == 1;
+}
+
+std::string packed_linear_engine(const c10::optional<std::string>& choose) {
+    use_amx();
+    if (choose.has_value()) {
+        TORCH_CHECK(*choose == "amx" || *choose == "avx512", "packed_linear_engine: 'amx' or 'avx512', got ", *choose);
+#ifdef HF_BPD_AMX
+        engine = (*choose == "amx" && amx_granted()) ? 1 : 0;
+#else
+        engine = 0;
+#endif
+    }
+    return engine == 1 ? "amx" : "avx512";
+}
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
                          const c10::optional<at::Tensor>& bias) {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "packed_linear: x must be bf16, got ", x.scalar_type());
@@ -135,8 +278,17 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
         auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
         const float* sp = int8 ? s.data_ptr<float>() : nullptr;
         const float* cp = c.defined() ? c.data_ptr<float>() : nullptr;
+        const auto* wb = reinterpret_cast<const uint16_t*>(int8 ? nullptr : packed.data_ptr<at::BFloat16>());
+#ifdef HF_BPD_AMX
+        if (pairs % kTilePairs == 0 && use_amx()) {
+            const auto* xb = reinterpret_cast<const uint16_t*>(xp);
+            if (int8) amx_run(m, xb, pairs, packed.data_ptr<int8_t>(), blocks, sp, cp, yp, n);
+            else amx_run(m, xb, pairs, wb, blocks, sp, cp, yp, n);
+            return y.view(out_sizes);
+        }
+#endif
         if (int8) run(m, xp, pairs, packed.data_ptr<int8_t>(), blocks, sp, cp, yp, n);
-        else run(m, xp, pairs, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), blocks, sp, cp, yp, n);
+        else run(m, xp, pairs, wb, blocks, sp, cp, yp, n);
     }
     return y.view(out_sizes);
 }
@@ -145,6 +297,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 
 TORCH_LIBRARY(hf_bpd_kernels, m) {
     m.def("packed_linear(Tensor x, Tensor packed, Tensor? scale, Tensor? bias) -> Tensor");
+    m.def("packed_linear_engine(str? choose=None) -> str", &packed_linear_engine);
 }
 
 TORCH_LIBRARY_IMPL(hf_bpd_kernels, CPU, m) {
