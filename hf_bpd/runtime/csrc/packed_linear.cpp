@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -225,7 +226,7 @@ bool amx_granted() {  // Linux hands a process the AMX tile state only on reques
 #endif
 
 // The engine of this process: "amx" where built for and granted (HF_BPD_AMX=0 declines it), else "avx512".
-int engine = -1;  // -1 undecided, 0 avx512, 1 amx
+std::atomic<int> engine{-1};  // -1 undecided, 0 avx512, 1 amx
 
 bool use_amx() {
     if (engine < 0) {
