@@ -169,11 +169,9 @@ HALF_PRECISION_FEATURES = ("avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 
 def cpu_feature_names() -> list[str]:
     """The CPU's flags among `HALF_PRECISION_FEATURES` (empty where /proc/cpuinfo has none or cannot be read)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    from ..runtime.int8_heads import cpu_features  # the flags the kernels are built for
+
+    flags = set(cpu_features().split())
     return [name for name in HALF_PRECISION_FEATURES if name in flags]
 
 
