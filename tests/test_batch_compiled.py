@@ -7,24 +7,28 @@ static cache, finished rows riding along and then moving to a runner of fewer ro
 import copy
 import warnings
 
+import pytest
 import torch
 
 from hf_bpd.generation import batch as batch_module
 from hf_bpd.generation.batch_cache import StaticRaggedCache
 from hf_bpd.runtime import batched
+from hf_bpd.runtime.kernels import kernels_unsupported_reason
 from tests.conftest import VOCAB
 from tests.test_batch import PAD, check_rows, left_padded, random_prompts
 from tests.test_decoding import random_bpd
 
 
-def reference_drafts(monkeypatch, model, prompts, width, kwargs, branching=None) -> dict:
+def reference_drafts(monkeypatch, model, prompts, width, kwargs, branching=None, lone=None) -> dict:
     """Flat forced costs (every step drafts the widest block) and every row drafting its lone greedy continuation
     (in the step's node budget, or as `batch_chains`' chain), corrupted at a depth that depends on the row and step,
     so rows accept 0..all drafted tokens in the same step (a random tiny model's heads accept little). Returns the
     lone continuations. While `branching["on"]` (a dict the caller may flip between calls), rows draft into the node
     budget, and in every other step a row's budget holds a wrong one-token draft first and its continuation after it:
-    the tree branches at its root, and a row that accepts keeps block slots that are not a prefix of its block."""
-    lone = {r: model.base_lm.generate(p[None], **kwargs)[0, len(p):].tolist() for r, p in enumerate(prompts)}
+    the tree branches at its root, and a row that accepts keeps block slots that are not a prefix of its block.
+    `lone`: the continuations to draft from, by row, when not the base's eager `generate()`."""
+    if lone is None:
+        lone = {r: model.base_lm.generate(p[None], **kwargs)[0, len(p):].tolist() for r, p in enumerate(prompts)}
     current = {"chains": [], "by_drafter": {}, "step": 0}
     branching = branching if branching is not None else {"on": False}
     original = batch_module._step_trees
@@ -100,6 +104,62 @@ def test_compiled_batch_rows_equal_their_lone_output(monkeypatch):
     assert {rows for rows, _ in batched._RUNNERS[model.base_lm]} >= {6, 4}
 
 
+@pytest.mark.skipif(kernels_unsupported_reason() is not None, reason="hf_bpd's bf16 kernels need AVX512-BF16")
+def test_bf16_compiled_batch_rows_equal_their_lone_compiled_output(monkeypatch):
+    """A bf16 base's compiled batch (hf_bpd's kernels, each row over its own positions): every row equals the same
+    prompt's lone compiled plain decoding bit for bit (no near-tie allowance), with forced drafts that branch at their
+    root in every other step, rows accepting different lengths in one step, holes, a compacted cache, and rows that
+    stop at their own EOS, ride along and move to a runner of fewer rows."""
+    from tests.test_kernels import _head_dim_16_bpd
+
+    model = _head_dim_16_bpd(hidden_size=256, layers=4)  # wide enough for bf16's rounding to show
+    prompts = random_prompts(6, seed=5, longest=20)
+    kwargs = dict(max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    ids, mask = left_padded(prompts)
+    width = ids.shape[1]
+
+    def lone_compiled(kw):  # each prompt's compiled plain decoding: (tokens, raw logits of each new token)
+        outs = [model.generate(p[None], use_heads=False, compile=True, output_logits=True,
+                               return_dict_in_generate=True, **kw) for p in prompts]
+        return [o.sequences[0, len(p):].tolist() for p, o in zip(prompts, outs)], [o.logits for o in outs]
+
+    def assert_equal_bits(out, want, logits):  # every row's tokens and logits, bit for bit
+        for r, (row, row_logits) in enumerate(zip(want, logits)):
+            assert out.sequences[r, width: width + len(row)].tolist() == row, r
+            assert all(torch.equal(out.logits[t][r], row_logits[t][0]) for t in range(len(row))), r
+
+    want, logits = lone_compiled(kwargs)
+    branching = {"on": True}
+    reference_drafts(monkeypatch, model, prompts, width, kwargs, branching, dict(enumerate(want)))
+    monkeypatch.setattr(batched, "CACHE_BUCKET", 1)  # a cache just as long as the call: holes force compaction
+    compactions, compact = [], StaticRaggedCache.compact
+    monkeypatch.setattr(StaticRaggedCache, "compact", lambda self: (compactions.append(1), compact(self)))
+    out = model.generate(ids, attention_mask=mask, compile="wait", output_logits=True, return_dict_in_generate=True,
+                         **kwargs)
+    assert_equal_bits(out, want, logits)
+    stats = model.last_generation_stats
+    assert stats.verifier == "compiled" and compactions
+    per_step = list(zip(*[row.accepted_lengths[2:] for row in stats.rows]))
+    assert any(len(set(step)) > 2 for step in per_step)  # ragged: rows accepted different lengths together
+    assert all(row.block_efficiency > 1.5 for row in stats.rows)
+    assert batched._RUNNERS[model.base_lm] and all(r.ordered for r in batched._RUNNERS[model.base_lm].values())
+
+    plain = model.generate(ids, attention_mask=mask, use_heads=False, compile="wait", output_logits=True,
+                           return_dict_in_generate=True, **kwargs)  # compiled plain batches
+    assert_equal_bits(plain, want, logits)
+    assert model.last_generation_stats.verifier == "compiled"
+
+    branching["on"] = False  # rows stop at their own EOS, ride along, then move to a runner of fewer rows
+    stops = {t: sum(t in row[:20] for row in want) for t in range(3, VOCAB)}
+    kwargs_eos = dict(kwargs, eos_token_id=max(stops, key=stops.get))
+    monkeypatch.setattr("hf_bpd.generation.batch_cache.SHRINK", 2)
+    out = model.generate(ids, attention_mask=mask, compile="wait", output_logits=True, return_dict_in_generate=True,
+                         **kwargs_eos)
+    assert_equal_bits(out, *lone_compiled(kwargs_eos))
+    assert min(rows for rows, _ in batched._RUNNERS[model.base_lm]) < 6  # the rows left moved to a smaller runner
+    batched.discard_batched_runners(model.base_lm)
+
+
 def test_shapes_past_the_memory_bound_run_eagerly_on_the_same_cache(monkeypatch):
     """Each compiled shape holds a packed copy of the weights: past `MAX_GRAPH_BYTES` (here: 2 shapes) a new block
     width runs the step eagerly on the static cache, and the rows stay exact."""
@@ -141,7 +201,8 @@ def test_a_failing_compiler_falls_back_to_eager_steps_on_the_same_cache(monkeypa
 
 def test_plain_compiled_batches_and_eager_fallbacks():
     """`use_heads=False, compile="wait"`: one-token compiled steps for every row; `compile=True` keeps batches eager
-    (it never compiles for minutes in a call); half-precision batches verify eagerly with a one-line warning."""
+    (it never compiles for minutes in a call); bf16 batches the kernels cannot serve (here: a head dim of 8) verify
+    eagerly with a one-line warning."""
     model = random_bpd("qwen2", 1)
     prompts = random_prompts(5, seed=9, longest=16)
     ids, mask = left_padded(prompts)
@@ -159,7 +220,7 @@ def test_plain_compiled_batches_and_eager_fallbacks():
         warnings.simplefilter("always")
         half.generate(ids, attention_mask=mask, compile="wait", **kwargs)
     assert half.last_generation_stats.verifier == "eager"
-    assert any("half-precision batches verify eagerly" in str(w.message) for w in caught)
+    assert any("bf16 batches verify eagerly where hf_bpd's kernels do not run" in str(w.message) for w in caught)
 
 
 def test_the_static_cache_is_bounded(monkeypatch):

@@ -124,6 +124,37 @@ def test_kernel_attention_reads_only_open_slots():
     assert torch.equal(_kernel(q, k, v, mask, None, None), before)
 
 
+def test_kernel_attention_reads_each_sequence_of_a_batch_in_its_own_position_order():
+    """A batch's sequences on one static cache, each with left padding and holes at other slots
+    (`batch_cache.position_order`: its open slots as its positions, `key_slots (batch, rows, slots)`): every query
+    row equals the same sequence alone on a cache without holes, slot = position, bit for bit."""
+    from hf_bpd.generation.batch_cache import position_order
+
+    generator = torch.Generator().manual_seed(3)
+    batch, rows, slots, closed = 3, 2, 256, torch.finfo(torch.bfloat16).min
+    k = torch.randn(batch, 2, slots, 32, generator=generator).to(torch.bfloat16)
+    v = torch.randn(batch, 2, slots, 32, generator=generator).to(torch.bfloat16)
+    q = torch.randn(batch, 4, rows, 32, generator=generator).to(torch.bfloat16)
+    open_ = torch.rand(batch, rows, slots, generator=generator) < 0.7  # holes, in a different pattern per row
+    open_[:, :, 230:] = False  # the end of the cache: closed for every row
+    open_[0, :, :40] = False  # left padding
+    open_[:, 1, 229] = True  # the block's second row sees one more slot than the first
+    open_[:, 0, 229] = False
+    mask = torch.zeros(batch, 1, rows, slots, dtype=torch.bfloat16).masked_fill_(~open_[:, None], closed)
+    by_position, key_slots = position_order(mask)
+    got = torch.ops.hf_bpd_kernels.ordered_attention(q, k, v, by_position, key_slots, 0.125)
+    for b in range(batch):
+        for r in range(rows):
+            seen = open_[b, r].nonzero().flatten()
+            alone_k, alone_v = torch.zeros_like(k[b: b + 1]), torch.zeros_like(v[b: b + 1])
+            alone_k[:, :, : len(seen)], alone_v[:, :, : len(seen)] = k[b: b + 1, :, seen], v[b: b + 1, :, seen]
+            alone_mask = torch.full((1, 1, 1, slots), closed, dtype=torch.bfloat16)
+            alone_mask[..., : len(seen)] = 0
+            alone = torch.ops.hf_bpd_kernels.ordered_attention(q[b: b + 1, :, r: r + 1], alone_k, alone_v,
+                                                               alone_mask, None, 0.125)
+            assert torch.equal(got[b, r], alone[0, 0]), (b, r)
+
+
 def test_kernel_attention_reads_a_transposed_query_in_place():
     """A block's query reaches the kernel as a transposed view (heads and rows swapped): read through its strides,
     it gives what its contiguous copy gives, bit for bit."""
@@ -151,12 +182,13 @@ def test_the_packed_base_reads_its_rotary_embeddings_from_a_table(kernel_model):
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
-def _head_dim_16_bpd():
-    """A tiny bf16 Llama whose head dim (16) the attention kernel serves, with random heads."""
+def _head_dim_16_bpd(hidden_size: int = 32, layers: int = 2):
+    """A tiny bf16 Llama whose head dim (`hidden_size / 2`, 16 by default) the attention kernel serves, with random
+    heads."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=hidden_size // 2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = BlockwiseParallelForCausalLM.from_base(AutoModelForCausalLM.from_config(config).eval(), num_heads=3)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():

@@ -59,8 +59,9 @@ def run_batch_bench(model, tokenizer, questions: Sequence[dict], batch_sizes: Se
                     log=None, methods: Sequence[str] = BATCH_METHODS) -> dict:
     """Batched decoding methods (`batch_decoders`) on the same left-padded batches of consecutive prompts, in an
     order that rotates per batch; per batch size and method: tokens/s (compilation taken out), the ratio to the best
-    plain method, the rows' pooled block efficiency and how many rows are token-identical to transformers' batched
-    plain decoding (`ar`, or the first method run)."""
+    plain method, the rows' pooled block efficiency and how many rows are token-identical to the reference:
+    transformers' batched plain decoding (`ar`) for fp32 bases, hf_bpd's compiled plain steps (`ar-compiled`: each row
+    its prompt's lone compiled plain output) for half-precision ones, else the first method run."""
     from tqdm.auto import tqdm
 
     if not hasattr(model, "heads"):
@@ -75,7 +76,8 @@ def run_batch_bench(model, tokenizer, questions: Sequence[dict], batch_sizes: Se
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
     decoders = batch_decoders(model, base, settings, list(methods))
     names = list(decoders)
-    reference = "ar" if "ar" in names else names[0]
+    exact_to = "ar" if base.dtype in (torch.float32, torch.float64) else "ar-compiled"
+    reference = exact_to if exact_to in names else names[0]
     results = []
     for size in batch_sizes:
         batches = [left_pad(prompts[i: i + size], pad_id, model.device) for i in range(0, len(prompts), size)]

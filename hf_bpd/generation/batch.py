@@ -146,27 +146,41 @@ def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: di
     return trees
 
 
-def _compiled_cache(base, ragged: RaggedCache, needed_length: int) -> StaticRaggedCache | None:
-    """The prompt pass's cache moved onto a compiled batched runner's static cache (`hf_bpd.runtime.batched`), or
-    None (with a one-line warning) when batches of this base cannot run compiled."""
+def _compiled_runner(base, rows: int, needed_length: int):
+    """A compiled batched runner of `base` for `rows` rows holding `needed_length` tokens (`hf_bpd.runtime.batched`),
+    or None (with a one-line warning) when batches of this base cannot run compiled."""
     from ..runtime.batched import batched_runner, batched_unsupported_reason
 
-    rows = ragged.valid.shape[0]
     reason = batched_unsupported_reason(base)
     runner = batched_runner(base, rows, needed_length) if reason is None else None
     if reason is None and runner is None:
         reason = f"a static cache of {rows} rows x {needed_length} tokens would be too large"
     if runner is None:
         warnings.warn(f"hf_bpd: the batch verifies eagerly ({reason})", stacklevel=5)
-        return None
-    return StaticRaggedCache(runner, ragged.cache, ragged.valid)
+    return runner
+
+
+def _prompt_pass(model, input_ids, mask, runner, needed_length: int):
+    """`(cache, last logits (rows, vocab), last hidden states (rows, hidden_size))` of the prompt pass: one eager
+    forward over the left-padded batch (a row's positions count its own tokens), its cache moved onto `runner`'s
+    static cache when there is one; on an ordered (bf16) runner each prompt alone, as a lone call runs it."""
+    from transformers.cache_utils import DynamicCache
+
+    if runner is not None and runner.ordered:
+        return StaticRaggedCache.prefilled(runner, model, input_ids, mask.bool(), needed_length)
+    cache = DynamicCache()  # full-length layers for every layer type: the masks bound sliding windows
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, **{CACHE_NAME: cache},
+                use_cache=True, return_head_logits=False, logits_to_keep=1)
+    ragged = RaggedCache(cache, mask.bool())
+    if runner is not None:
+        ragged = StaticRaggedCache(runner, cache, ragged.valid)
+    return ragged, out.logits[:, -1], out.last_hidden_state[:, -1]
 
 
 def decode_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, plan, attention_mask):
     """Decode every row of `input_ids` (left-padded, `attention_mask` marking the padding) with drafting; returns
     what transformers' batched `generate()` returns (rows that stop early are right-padded with the pad token)."""
-    from transformers.cache_utils import DynamicCache
-
     streamers = plan.streamer
     if streamers is not None and (not isinstance(streamers, (list, tuple)) or len(streamers) != input_ids.shape[0]):
         raise BPDConfigError(f"a batch of {input_ids.shape[0]} prompts streams to one streamer per row "
@@ -198,24 +212,19 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
         rows.append(_Row(r, input_ids[r], pads[r], drafter, stopping_criteria, row_stats, keep_scores, keep_logits,
                          streamers[r] if streamers is not None else None))
 
-    # The prompt pass: one forward over the left-padded batch; a row's positions count its own tokens.
-    cache = DynamicCache()  # full-length layers for every layer type: the masks bound sliding windows
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, **{CACHE_NAME: cache},
-                use_cache=True, return_head_logits=False, logits_to_keep=1)
-    ragged = RaggedCache(cache, mask.bool())
     with contextlib.ExitStack() as held:  # a compiled batch holds its runners' lock until it ends
+        runner, needed = None, generation_config.max_length + getattr(plan.drafter, "num_heads", 0) + 1
         if plan.compile == "wait" and not plan.row_drafts:
             held.enter_context(batched_lock())
-            needed = generation_config.max_length + getattr(plan.drafter, "num_heads", 0) + 1
-            ragged = _compiled_cache(base, ragged, needed) or ragged
+            runner = _compiled_runner(base, batch, needed)
+        ragged, logits, hidden = _prompt_pass(model, input_ids, mask, runner, needed)
         stats.verifier = "compiled" if isinstance(ragged, StaticRaggedCache) else "eager"
-        logits = out.logits[:, -1].float()
+        logits = logits.float()
         for r, row in enumerate(rows):
             processed = logits_processor(row.sequence, logits[r: r + 1].clone())
             row.stats.accepted_lengths.append(0)
             row.stats.draft_tokens.append(0)
-            row.hidden = out.last_hidden_state[r, -1]
+            row.hidden = hidden[r]
             row.accept([choose_token(processed[0], do_sample)], [logits[r: r + 1]], [processed])
         forward_passes = 1
 

@@ -67,6 +67,17 @@ def _copy_rows(runner, layers, count: int, length: int, rows: torch.Tensor | Non
                 getattr(mine, name)[:count, :, :length].copy_(states if rows is None else states[rows])
 
 
+def position_order(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An additive slot mask `(rows, 1, W, S)` as ordered attention's `(mask by position, key_slots (rows, W, S))`:
+    query i of row r reads its open slots in slot order as positions 0, 1, ... (a row's kept slots hold its tokens in
+    order, a block's ancestors precede their descendants), the other slots after them, closed."""
+    closed = mask[:, 0] < 0
+    key_slots = torch.sort(closed.to(torch.uint8), dim=-1, stable=True).indices
+    opened = (~closed).sum(-1, keepdim=True)
+    by_position = torch.arange(mask.shape[-1], device=mask.device) >= opened
+    return torch.zeros_like(mask).masked_fill_(by_position[:, None], torch.finfo(mask.dtype).min), key_slots
+
+
 def _kept_mask(kept: list[list[int]], width: int, device) -> torch.Tensor:
     lengths = torch.tensor([len(k) for k in kept], device=device)
     return torch.arange(width, device=device)[None] < lengths[:, None]
@@ -150,8 +161,32 @@ class StaticRaggedCache:
         self.rows = torch.arange(rows, device=valid.device)  # each active row's row in the static cache
         self.all_valid = torch.zeros(runner.rows, length, dtype=torch.bool, device=valid.device)
         self.all_valid[:rows] = valid
-        _copy_rows(runner, cache.layers, rows, length)
+        if cache is not None:
+            _copy_rows(runner, cache.layers, rows, length)
         runner.set_length(length)
+
+    @classmethod
+    def prefilled(cls, runner, model, input_ids: torch.Tensor, valid: torch.Tensor, needed_length: int):
+        """`(cache, last logits (rows, vocab), last hidden states (rows, hidden_size))` of the prompt pass on an
+        ordered runner: each row's prompt runs alone on the base's single-sequence compiled runner, as a lone call's
+        prompt pass does (`CompiledVerifier.prefill`), and its keys/values are copied to the row's slots here."""
+        from ..runtime.compiled import compiled_runner
+        from ..runtime.compiled_verifier import CompiledVerifier
+
+        single = compiled_runner(runner.base, needed_length)
+        logits, hidden = [], []
+        with single.lock, torch.no_grad():
+            for r in range(valid.shape[0]):
+                prompt = input_ids[r, valid[r]][None]
+                row_logits, row_hidden = CompiledVerifier(model, single).prefill(prompt)
+                logits.append(row_logits[0])
+                hidden.append(row_hidden)
+                n, length = prompt.shape[1], valid.shape[1]
+                for mine, theirs in zip(runner.layers, single.cache.layers):
+                    mine.keys[r, :, length - n: length].copy_(theirs.keys[0, :, :n])
+                    mine.values[r, :, length - n: length].copy_(theirs.values[0, :, :n])
+            single.reset()
+        return cls(runner, None, valid), torch.stack(logits), torch.stack(hidden)
 
     @property
     def valid(self) -> torch.Tensor:
@@ -200,7 +235,10 @@ class StaticRaggedCache:
 
         full_masks = {k: pad(m) for k, m in masks.items()} if isinstance(masks, dict) else pad(masks)
         with torch.no_grad():
-            logits, hidden, compiled = runner.run(all_tokens, all_positions, full_masks)
+            if runner.ordered:  # each query over its own sequence in position order
+                logits, hidden, compiled = runner.run(all_tokens, all_positions, *position_order(full_masks))
+            else:
+                logits, hidden, compiled = runner.run(all_tokens, all_positions, full_masks)
         return logits.index_select(0, rows), hidden.index_select(0, rows), compiled
 
     def keep_tail(self, block: int, kept: list[list[int]]) -> None:

@@ -16,8 +16,13 @@ batches eagerly.
 Each compiled graph holds its own packed copy of the weights (inductor's freezing), so a base's batched shapes share
 `MAX_GRAPH_BYTES` of them; once that is spent, a new shape runs the same step eagerly on the same cache.
 
-Half-precision bases are not served (their batched rows do not round as a lone sequence's anyway; they verify
-eagerly), nor caches over `MAX_CACHE_BYTES` (long prompts in a wide batch).
+bf16 and int8-weight bases where hf_bpd's kernels run (`hf_bpd.runtime.packed_linear`) step on the packed module
+tree with position-ordered attention (`hf_bpd.runtime.ordered_attention`), each sequence of the batch over its own
+positions (`key_slots (rows, W, max_cache_len)`: row r's query i reads position p from slot `key_slots[r, i, p]`,
+its kept slots in order, holes skipped): every row of every step rounds as the same sequence's lone compiled step,
+so a batch's rows are the lone sequences' compiled outputs (their prompts run alone,
+`hf_bpd.generation.batch_cache.StaticRaggedCache.prefilled`). Other half-precision bases verify eagerly, as do
+caches over `MAX_CACHE_BYTES` (long prompts in a wide batch).
 """
 
 from __future__ import annotations
@@ -30,11 +35,14 @@ import weakref
 import torch
 from transformers.cache_utils import StaticCache
 
-from .attention import BATCHED_ATTENTION_NAME, grouped_query_attention, uses_grouped_attention
+from .attention import (ATTENTION_NAME, BATCHED_ATTENTION_NAME, attention_implementation, grouped_query_attention,
+                        uses_grouped_attention)
 from .compiled import CACHE_BUCKET, MAX_COMPILED_SHAPES, _Patches
 from .cost import weight_bytes
 from .guards import call_compiled, compile_step
-from .step import VerificationStep, compile_unsupported_reason, kv_layout, verification_cache
+from .ordered_attention import ORDERED_KERNEL_ATTENTION, uses_ordered_attention
+from .packed_linear import packed_base
+from .step import VerificationStep, compile_unsupported_reason, has_sliding_layers, kv_layout, verification_cache
 
 MAX_CACHE_BYTES = 2 << 30  # the static caches of a base's batched runners, together (a batch past it: eager)
 MAX_GRAPH_BYTES = 4 << 30  # the packed weights of a base's compiled batched shapes (beyond: eager steps, same cache)
@@ -58,8 +66,18 @@ def batched_unsupported_reason(base) -> str | None:
     if reason is not None:
         return reason
     if base.dtype not in (torch.float32, torch.float64):
-        return "half-precision batches verify eagerly"
+        if not uses_ordered_attention(base) or base.dtype != torch.bfloat16:
+            return "half-precision batches verify eagerly (compiled batches: fp32, or bf16 on hf_bpd's kernels)"
+        if has_sliding_layers(base.config):
+            return "bf16 batches of sliding-window bases verify eagerly"
+        if kv_layout(base.config)[1] % 16 or packed_base(base) is None:
+            return "bf16 batches verify eagerly where hf_bpd's kernels do not run (an AVX512-BF16 CPU, head dim % 16)"
     return None
+
+
+def ordered_base(base) -> bool:
+    """Whether `base`'s batched steps run on hf_bpd's kernels with position-ordered attention (bf16 bases)."""
+    return base.dtype == torch.bfloat16 and uses_ordered_attention(base)
 
 
 def cache_bytes(base, rows: int, max_cache_len: int) -> int:
@@ -77,18 +95,32 @@ class BatchedRunner:
     def __init__(self, base, rows: int, max_cache_len: int):
         self.base, self.rows, self.max_cache_len = base, rows, max_cache_len
         self.cache: StaticCache = verification_cache(base.config, max_cache_len)
-        self.step = VerificationStep(base, self.cache).eval()
+        self.ordered = ordered_base(base)  # bf16: the packed module tree, each row over its own positions
+        self.step = VerificationStep(packed_base(base) if self.ordered else base, self.cache).eval()
         self.grouped = uses_grouped_attention(base)
         self._compiled = None
         self.failed = False  # compiling failed once: every step of this runner runs eagerly
         self.graph_limit = max_graphs(base)  # read where a new shape would compile (weights summed once, here)
         self.compiled_widths: dict[int, float] = {}  # width -> seconds its first call took (compilation)
         self.width_ms: dict[int, float] = {}  # width -> ms of the step, timed after compiling
-        with torch.no_grad(), grouped_query_attention(base, self.grouped):  # allocate the cache now, eagerly
+        with torch.no_grad(), self.attention():  # allocate the cache now, eagerly
             one = torch.zeros(rows, 1, dtype=torch.long, device=base.device)
             mask = torch.zeros(rows, 1, 1, max_cache_len, dtype=base.dtype, device=base.device)
-            self.step(one, one, one[0], mask)
+            self.step(one, one, one[0], mask, *self.key_order(rows, 1, base.device))
         self.set_length(0)
+
+    def attention(self, batched: bool = False):
+        """The steps' attention: position-ordered (bf16), else PyTorch's grouped kernel, or in a step
+        (`batched`) the attention over the slots in use."""
+        if self.ordered:
+            return attention_implementation(self.base, ORDERED_KERNEL_ATTENTION)
+        return grouped_query_attention(self.base, self.grouped, BATCHED_ATTENTION_NAME if batched else ATTENTION_NAME)
+
+    def key_order(self, rows: int, width: int, device) -> tuple:
+        """`(key_slots, key_ranks)` that read every slot at its own position (ordered steps), else nothing."""
+        if not self.ordered:
+            return ()
+        return torch.arange(self.max_cache_len, device=device).expand(rows, width, -1).contiguous(), None
 
     @property
     def layers(self):
@@ -99,40 +131,41 @@ class BatchedRunner:
         for layer in self.cache.layers:
             layer.cumulative_length.fill_(length)
 
-    def run(self, tokens, positions, mask) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def run(self, tokens, positions, mask, key_slots=None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """One step: `tokens`, `positions` `(rows, W)`, `mask` `(rows, 1, W, max_cache_len)`, written at the current
-        length. Returns `(logits (rows, W, vocab), hidden (rows, W, hidden_size), compiled)`: whether this call
-        compiled the shape (its time is compilation, not a step)."""
+        length; ordered steps: `mask` by position and `key_slots (rows, W, max_cache_len)` (see the module docstring).
+        Returns `(logits (rows, W, vocab), hidden (rows, W, hidden_size), compiled)`: whether this call compiled the
+        shape (its time is compilation, not a step)."""
         width = tokens.shape[1]
         past = int(self.cache.layers[0].cumulative_length)
         slots = torch.arange(past, past + width, device=tokens.device)
+        inputs = (tokens, positions, slots, mask) + ((key_slots, None) if self.ordered else ())
         if self._compiled is None:
             self._compiled = compile_step(self.step)
-        with grouped_query_attention(self.base, self.grouped, BATCHED_ATTENTION_NAME):
-            done = call_compiled(self._compiled, tokens, positions, slots, mask) \
-                if width in self.compiled_widths else None
+        with self.attention(batched=True):
+            done = call_compiled(self._compiled, *inputs) if width in self.compiled_widths else None
             if done is not None:
                 return *done, False
             if self.failed or compiled_graphs(self.base) >= self.graph_limit:  # the memory bound, or no compiler
-                logits, hidden = self.step(tokens, positions, slots, mask)
+                logits, hidden = self.step(*inputs)
                 return logits, hidden, False
             start = time.perf_counter()
             try:
-                with _Patches():
-                    logits, hidden = self._compiled(tokens, positions, slots, mask)
+                with _Patches(self.ordered):
+                    logits, hidden = self._compiled(*inputs)
             except Exception as err:  # noqa: BLE001 - a failing compiler must not break generation
                 warnings.warn(f"hf_bpd: compiling the batched step failed ({type(err).__name__}: "
                               f"{str(err).splitlines()[0][:200] if str(err) else ''}); its steps run eagerly",
                               stacklevel=2)
                 self.failed = True
                 self.set_length(past)
-                logits, hidden = self.step(tokens, positions, slots, mask)
+                logits, hidden = self.step(*inputs)
                 return logits, hidden, False
             times = []
             for _ in range(TIMED_CALLS):  # the step's own cost, for the batch's width choice (writes where it wrote)
                 self.set_length(past)
                 begin = time.perf_counter()
-                logits, hidden = self._compiled(tokens, positions, slots, mask)
+                logits, hidden = self._compiled(*inputs)
                 times.append(1000 * (time.perf_counter() - begin))
             self.width_ms[width] = sorted(times)[len(times) // 2]
             self.compiled_widths[width] = time.perf_counter() - start  # compiling and timing: not a step's time

@@ -1,6 +1,7 @@
 // Position-ordered attention on the CPU (hf_bpd.runtime.ordered_attention), reading only the cache slots in use.
 //
-// For each query row: scores over the row's own positions (position p reads cache slot key_slots[row, p], or slot p),
+// For each query row: scores over the row's own positions (position p reads cache slot key_slots[row, p], or
+// key_slots[sequence, row, p] when each sequence of a batch has its own map, or slot p),
 // scaled, plus the additive mask by position; softmax over positions; the values summed in position order. Every row
 // is computed by the same instructions in the same order whatever the number of rows in the call, and positions
 // closed for every row at the end of the cache (mask <= -1e38) are skipped: they would add exact zeros. A block's row
@@ -53,7 +54,8 @@ constexpr int64_t kGroup = 4;  // query heads of one key/value head that share e
 
 struct Problem {
     const at::BFloat16 *q, *k, *v, *mask;
-    const int64_t* order;  // (rows, slots) key slots by position, or null: position p is slot p
+    const int64_t* order;  // (rows, slots) or (batch, rows, slots) key slots by position, or null: slot p
+    bool order_batched;    // order has a batch dimension (each sequence of a batch its own map)
     at::BFloat16* out;
     int64_t heads, rows, slots, groups;
     int64_t q_batch, q_head, q_row;  // the query's strides (its last dimension is contiguous)
@@ -71,7 +73,7 @@ void attend(const Problem& pr, int64_t b, int64_t r, int64_t h0, int64_t count, 
     const at::BFloat16* kbase = pr.k + (b * (pr.heads / pr.groups) + kvh) * pr.slots * dim;
     const at::BFloat16* vbase = pr.v + (b * (pr.heads / pr.groups) + kvh) * pr.slots * dim;
     const at::BFloat16* mrow = pr.mask + (b * pr.rows + r) * pr.slots;
-    const int64_t* orow = pr.order ? pr.order + r * pr.slots : nullptr;
+    const int64_t* orow = pr.order ? pr.order + ((pr.order_batched ? b * pr.rows : 0) + r) * pr.slots : nullptr;
     for (int64_t i = 0; i < count; ++i) {  // scores, then softmax weights, per head
         const at::BFloat16* qrow = pr.q + b * pr.q_batch + (h0 + i) * pr.q_head + r * pr.q_row;
         __m512bh qv[NP + TAIL];
@@ -158,7 +160,12 @@ at::Tensor ordered_attention(const at::Tensor& query, const at::Tensor& key, con
     at::Tensor q = query.stride(3) == 1 ? query : query.contiguous();
     at::Tensor k = key.contiguous(), v = value.contiguous(), m = mask.contiguous();
     at::Tensor order;
-    if (key_slots.has_value() && key_slots->defined()) order = key_slots->to(at::kLong).contiguous();
+    if (key_slots.has_value() && key_slots->defined()) {
+        order = key_slots->to(at::kLong).contiguous();
+        TORCH_CHECK((order.dim() == 2 && order.size(0) == rows && order.size(1) == slots) ||
+                        (order.dim() == 3 && order.size(0) == batch && order.size(1) == rows && order.size(2) == slots),
+                    "ordered_attention: key_slots (rows, slots) or (batch, rows, slots)");
+    }
     const at::BFloat16* mp = m.data_ptr<at::BFloat16>();
     // Each row reads positions [0, its last open one]; later ones would only add exact zeros.
     std::vector<int64_t> length(batch * rows, 0);
@@ -171,7 +178,8 @@ at::Tensor ordered_attention(const at::Tensor& query, const at::Tensor& key, con
     at::Tensor out = at::empty({batch, rows, heads, dim}, query.options());
     const int64_t groups = heads / kv_heads, splits = (groups + kGroup - 1) / kGroup;
     const Problem pr{q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), mp,
-                     order.defined() ? order.data_ptr<int64_t>() : nullptr, out.data_ptr<at::BFloat16>(),
+                     order.defined() ? order.data_ptr<int64_t>() : nullptr, order.defined() && order.dim() == 3,
+                     out.data_ptr<at::BFloat16>(),
                      heads, rows, slots, groups, q.stride(0), q.stride(1), q.stride(2), static_cast<float>(scaling)};
     const Attend run = pick(dim / 16, std::make_integer_sequence<int, 16>{});
     const int64_t most = (*std::max_element(length.begin(), length.end()) + 15) / 16 * 16;
