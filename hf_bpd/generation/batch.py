@@ -5,8 +5,9 @@ decoding keeps them: they share one cache in which each row's tokens occupy some
 it kept fewer tokens than another row (`hf_bpd.generation.batch_cache`). Each row's positions count only its own
 tokens, so rotary embeddings see every row as if it were alone, and a step's 4D mask per row opens its valid slots
 and its tree's ancestors. The prompt pass runs eagerly over the left-padded batch. The steps run the eager base on a
-`DynamicCache` (finished rows leave it), or, with `compile="wait"` on an fp32 base, a compiled batched step on a
-static cache (`hf_bpd.runtime.batched`; finished rows ride along until the rest fit a smaller runner).
+`DynamicCache` (finished rows leave it), or, with `compile="wait"` on an fp32 base (or a bf16 / int8-weight base on
+hf_bpd's kernels, whose prompts then run one by one, each as a lone call's compiled prompt pass), a compiled batched
+step on a static cache (`hf_bpd.runtime.batched`; finished rows ride along until the rest fit a smaller runner).
 
 Drafts: the heads run once per step for every row (the int8 heads kernel's multi-row call, `_rows_head_top`), then
 each row drafts as the checkpoint's defaults say (its own rescorer state: rescored p-best paths and prompt lookup's
