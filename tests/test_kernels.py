@@ -68,7 +68,8 @@ def test_the_packed_gemm_runs_on_amx_where_the_cpu_has_it():
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("inputs", [96, 90], ids=["k96", "k90"])
 def test_packed_linear_rows_equal_lone_rows_and_the_layer(int8, bias, inputs, engine):
-    """Any number of rows (register tiles of 4 and 8, tails of 1-7; AMX tiles of 16 rows and a tail): each equals the
+    """Any number of rows (register tiles of 4 and 8, tails of 1-7; AMX tiles of 16 rows, in pairs of tiles sharing each
+    weight tile, and a lone last tile; 5 blocks of 16 outputs: pairs of blocks and a lone block): each equals the
     same row alone, bit for bit, and the layer it packs within bf16 rounding. 90 inputs (not whole AMX tiles) take
     the AVX512 path on either engine."""
     torch.manual_seed(0)
@@ -81,7 +82,7 @@ def test_packed_linear_rows_equal_lone_rows_and_the_layer(int8, bias, inputs, en
     with torch.no_grad():
         whole = packed(x)
         reference = layer(x)
-        for rows in (1, 3, 4, 5, 8, 12, 16, 17, 37):
+        for rows in (1, 3, 4, 5, 8, 12, 16, 17, 32, 33, 37):
             block = packed(x[:rows])
             for row in range(rows):
                 assert torch.equal(block[row], packed(x[row:row + 1])[0]), (rows, row)

@@ -150,10 +150,26 @@ inline void memory_fence() { asm volatile("" ::: "memory"); }  // a compiler bar
 inline const void* b_tile(const uint16_t* w, uint16_t*) { return w; }
 
 inline const void* b_tile(const int8_t* w, uint16_t* scratch) {  // 16 pairs x 16 outputs of int8 -> bf16, exact
+    memory_fence();  // and keep these stores after the tile loads that read the scratch before
     for (int64_t r = 0; r < kTilePairs; ++r)
         _mm512_store_si512(scratch + r * 2 * kLanes, (__m512i)load_weights(w + r * 2 * kLanes));
     memory_fence();  // the tile intrinsics are asm without a memory operand: keep the stores before the load
     return scratch;
+}
+
+// Tile t's sums (rows x 16 fp32) rounded and stored as 16 outputs of `rows` rows, with their scale and bias.
+inline void store_sums(int t, int64_t rows, const float* scale, const float* bias, uint16_t* y, int64_t ldy) {
+    alignas(64) float sums[16 * kLanes];
+    switch (t) {
+        case 0: _tile_stored(0, sums, kLanes * 4); break;
+        case 1: _tile_stored(1, sums, kLanes * 4); break;
+        case 2: _tile_stored(2, sums, kLanes * 4); break;
+        default: _tile_stored(3, sums, kLanes * 4); break;
+    }
+    memory_fence();
+    const __m512 s = scale ? _mm512_loadu_ps(scale) : _mm512_setzero_ps();
+    const __m512 c = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    for (int64_t m = 0; m < rows; ++m) finish(_mm512_load_ps(sums + m * kLanes), scale, s, bias, c, y + m * ldy);
 }
 
 #define HF_BPD_AMX_STEP(T, B)                                                              \
@@ -167,7 +183,6 @@ template <int NB, typename W>
 void amx_tile(int64_t rows, const uint16_t* x, int64_t ldx, const W* w, int64_t block_stride, int64_t pairs,
               const float* scale, const float* bias, uint16_t* y, int64_t ldy) {
     alignas(64) uint16_t scratch[2][kTilePairs * 2 * kLanes];
-    alignas(64) float sums[16 * kLanes];
     _tile_zero(0);
     if (NB > 1) _tile_zero(1);
     if (NB > 2) _tile_zero(2);
@@ -176,38 +191,90 @@ void amx_tile(int64_t rows, const uint16_t* x, int64_t ldx, const W* w, int64_t 
         _tile_loadd(4, x + k * 2, ldx * 2);
         HF_BPD_AMX_STEP(0, 5) HF_BPD_AMX_STEP(1, 6) HF_BPD_AMX_STEP(2, 5) HF_BPD_AMX_STEP(3, 6)
     }
-    for (int b = 0; b < NB; ++b) {
-        switch (b) {
-            case 0: _tile_stored(0, sums, kLanes * 4); break;
-            case 1: _tile_stored(1, sums, kLanes * 4); break;
-            case 2: _tile_stored(2, sums, kLanes * 4); break;
-            default: _tile_stored(3, sums, kLanes * 4); break;
-        }
-        memory_fence();
-        __m512 s = scale ? _mm512_loadu_ps(scale + b * kLanes) : _mm512_setzero_ps();
-        __m512 c = bias ? _mm512_loadu_ps(bias + b * kLanes) : _mm512_setzero_ps();
-        for (int64_t m = 0; m < rows; ++m)
-            finish(_mm512_load_ps(sums + m * kLanes), scale, s, bias, c, y + m * ldy + b * kLanes);
-    }
+    for (int b = 0; b < NB; ++b)
+        store_sums(b, rows, scale ? scale + b * kLanes : nullptr, bias ? bias + b * kLanes : nullptr, y + b * kLanes,
+                   ldy);
 }
 #undef HF_BPD_AMX_STEP
 
-// Each group of 4 output blocks multiplies every 16-row tile of the rows while its weights are in cache: the
-// weights are read from memory once per call, not once per row tile (a block of 32 rows cost ~1.4x one of 16).
+// Two row tiles (16 rows and `second` more) x NB (<= 2) blocks of 16 outputs: tiles 0 / 1 the first 16 rows' sums of
+// blocks 0 / 1, tiles 2 / 3 the other rows', tiles 4 / 5 the two row tiles' next 32 inputs, tiles 6 / 7 the blocks'
+// next 16 input pairs. Each weight tile loaded feeds both row tiles (the tile loads, not the multiplications, bound
+// a 16-row tile). Every row's sums run over the pairs in the same order as in `amx_tile`: rows stay bit-identical.
+inline void configure_pair_tiles(int64_t second) {
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) config.colsb[t] = 64;
+    config.rows[0] = config.rows[1] = config.rows[4] = 16;
+    config.rows[2] = config.rows[3] = config.rows[5] = static_cast<uint8_t>(second);
+    config.rows[6] = config.rows[7] = kTilePairs;
+    _tile_loadconfig(&config);
+}
+
+template <int NB, typename W>
+void amx_pair_tile(int64_t second, const uint16_t* x, int64_t ldx, const W* w, int64_t block_stride, int64_t pairs,
+                   const float* scale, const float* bias, uint16_t* y, int64_t ldy) {
+    alignas(64) uint16_t scratch[2][kTilePairs * 2 * kLanes];
+    _tile_zero(0);
+    _tile_zero(2);
+    if (NB > 1) {
+        _tile_zero(1);
+        _tile_zero(3);
+    }
+    for (int64_t k = 0; k < pairs; k += kTilePairs) {
+        _tile_loadd(4, x + k * 2, ldx * 2);
+        _tile_loadd(5, x + 16 * ldx + k * 2, ldx * 2);
+        _tile_loadd(6, b_tile(w + k * 2 * kLanes, scratch[0]), 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        if (NB > 1) {
+            _tile_loadd(7, b_tile(w + block_stride + k * 2 * kLanes, scratch[1]), 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    for (int t = 0; t < 2 * NB; ++t) {  // block b of row tile `half`, in tile b + 2 * half
+        const int b = NB > 1 ? t % 2 : 0, half = NB > 1 ? t / 2 : t;
+        store_sums(b + 2 * half, half ? second : 16, scale ? scale + b * kLanes : nullptr,
+                   bias ? bias + b * kLanes : nullptr, y + half * 16 * ldy + b * kLanes, ldy);
+    }
+}
+
+// Each group of 4 output blocks multiplies every row tile while its weights are in cache (the weights are read from
+// memory once per call, not once per row tile), rows in pairs of tiles (`amx_pair_tile`), a last tile alone.
 template <typename W>
 void amx_run(int64_t rows, const uint16_t* x, int64_t pairs, const W* w, int64_t blocks, const float* scale,
              const float* bias, uint16_t* y, int64_t n) {
     const int64_t block_stride = pairs * 2 * kLanes, groups = (blocks + 3) / 4;
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-        int64_t configured = -1;  // the A tile's rows the tile registers are set up for
+        int64_t configured = -1;  // the tile set-up loaded: rows of a lone tile, or 100 + a pair's second tile's rows
         for (int64_t g = begin; g < end; ++g) {
             const int64_t b0 = g * 4, count = std::min<int64_t>(4, blocks - b0);
             const float* sg = scale ? scale + b0 * kLanes : nullptr;
             const float* cg = bias ? bias + b0 * kLanes : nullptr;
             const W* wg = w + b0 * block_stride;
-            for (int64_t m0 = 0; m0 < rows; m0 += 16) {
-                const int64_t mr = std::min<int64_t>(16, rows - m0);
-                if (mr != configured) configure_tiles(mr), configured = mr;
+            int64_t m0 = 0;
+            for (; rows - m0 > 16; m0 += 32) {
+                const int64_t second = std::min<int64_t>(16, rows - m0 - 16);
+                if (configured != 100 + second) {
+                    configure_pair_tiles(second);
+                    configured = 100 + second;
+                }
+                const uint16_t* xm = x + m0 * pairs * 2;
+                for (int64_t b = 0; b < count; b += 2) {
+                    const float* sb = sg ? sg + b * kLanes : nullptr;
+                    const float* cb = cg ? cg + b * kLanes : nullptr;
+                    uint16_t* yb = y + m0 * n + (b0 + b) * kLanes;
+                    if (count - b >= 2)
+                        amx_pair_tile<2>(second, xm, pairs * 2, wg + b * block_stride, block_stride, pairs, sb, cb,
+                                         yb, n);
+                    else
+                        amx_pair_tile<1>(second, xm, pairs * 2, wg + b * block_stride, block_stride, pairs, sb, cb,
+                                         yb, n);
+                }
+            }
+            if (m0 < rows) {
+                const int64_t mr = rows - m0;
+                if (configured != mr) configure_tiles(mr), configured = mr;
                 const uint16_t* xm = x + m0 * pairs * 2;
                 uint16_t* yg = y + m0 * n + b0 * kLanes;
                 switch (count) {
