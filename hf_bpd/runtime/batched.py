@@ -66,7 +66,7 @@ def batched_unsupported_reason(base) -> str | None:
     if reason is not None:
         return reason
     if base.dtype not in (torch.float32, torch.float64):
-        if not uses_ordered_attention(base) or base.dtype != torch.bfloat16:
+        if not ordered_base(base):
             return "half-precision batches verify eagerly (compiled batches: fp32, or bf16 on hf_bpd's kernels)"
         if has_sliding_layers(base.config):
             return "bf16 batches of sliding-window bases verify eagerly"
