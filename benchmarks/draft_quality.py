@@ -75,14 +75,15 @@ def drafter_rows(paths, base, tokenizer, questions, refs, depths) -> list[dict]:
     from hf_bpd.evaluation import drafter_quality
     from hf_bpd.feature_drafter import FeatureDrafter
 
+    drafters = {path: FeatureDrafter.load(path, base) for path in paths}
+    layers = sorted({i for d in drafters.values() for i in d.layers_read()})  # what any of them fuses
     along = []
     for q in questions:
         ids = torch.tensor(refs[str(q["id"])])
         n = encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], None)["input_ids"].shape[1]
-        along.append((ids, n, drafter_quality.base_features(base, ids)))
+        along.append((ids, n, drafter_quality.base_features(base, ids, layers)))
     rows = []
-    for path in paths:
-        drafter = FeatureDrafter.load(path, base)
+    for path, drafter in drafters.items():
         trained = json.loads((Path(path) / "training.json").read_text()).get("tokens")
         for depth in depths:
             runs = [(len(ids) - n, drafter_quality.chain_accepted_lengths(drafter, feats, ids, n, depth))

@@ -14,12 +14,18 @@ and `h_j` stands in for the base's feature `f_{j+1}` at the next drafting depth 
 are the base's, frozen and not stored; the fuse projection, the layer and the norm are the drafter's (the layer and
 the norm start as copies of the base's last ones).
 
+With `feature_layers` (EAGLE-3's fused features) the feature it reads at a base position is not `f_j` alone but
+`lift([f_j; rms(a_j^l1); rms(a_j^l2); ...])` (`(1 + k) * hidden -> hidden`), the residual stream after the named
+lower decoder layers (each RMS-normalised, parameter-free) beside the final feature; `lift` starts as the identity on
+`f_j`, so a fused drafter starts as the plain one. Drafted positions read the drafter's own hidden state, as before.
+
 `hf_bpd.training.train_drafter` trains it on extracted features (`hf_bpd.training.features`).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -40,11 +46,16 @@ def decoder_of(base) -> nn.Module:
 
 class FeatureDrafter(nn.Module):
     """See the module docstring. `draft_vocab`: the token ids the drafter predicts over (None: the whole
-    vocabulary)."""
+    vocabulary); `feature_layers`: lower decoder layers (0-based) whose outputs are fused with the final feature."""
 
-    def __init__(self, base, draft_vocab: torch.Tensor | None = None):
+    def __init__(self, base, draft_vocab: torch.Tensor | None = None, feature_layers: Sequence[int] = ()):
         super().__init__()
         decoder = decoder_of(base)
+        feature_layers = [int(i) for i in feature_layers]
+        depth = len(decoder.layers)
+        if any(not 0 <= i < depth - 1 for i in feature_layers) or len(set(feature_layers)) != len(feature_layers):
+            raise ValueError(f"feature_layers {feature_layers}: distinct decoder layers 0..{depth - 2} of this "
+                             f"{depth}-layer base (its last layer's output is the final feature, always read)")
         text = base.config.get_text_config(decoder=True)
         config = copy.deepcopy(text)
         config.num_hidden_layers = 1
@@ -59,9 +70,18 @@ class FeatureDrafter(nn.Module):
         self.layer = type(last)(config, layer_idx=0)
         self.layer.load_state_dict(float_state_dict(last))  # (an int8 base's layer dequantized)
         self.norm = copy.deepcopy(decoder.norm)
+        self.lift = None
+        if feature_layers:
+            self.lift = nn.Linear((1 + len(feature_layers)) * hidden, hidden, bias=False)
+            with torch.no_grad():  # the identity on the final feature: a fused drafter starts as the plain one
+                self.lift.weight.zero_()
+                self.lift.weight[:, :hidden] = torch.eye(hidden)
         self.to(base.dtype)
         self.register_buffer("draft_vocab", None if draft_vocab is None else draft_vocab.clone().long(),
                              persistent=True)
+        self.register_buffer("feature_layers", torch.tensor(feature_layers, dtype=torch.long) if feature_layers
+                             else None, persistent=True)
+        self._layers = feature_layers  # the same, as a list (no device reads while drafting)
         # the base's frozen pieces, kept out of this module's parameters (not trained, not saved)
         self._frozen = {"embed": base.get_input_embeddings(), "output": base.get_output_embeddings(),
                         "rotary": decoder.rotary_emb}
@@ -74,7 +94,8 @@ class FeatureDrafter(nn.Module):
         from safetensors.torch import load_file
 
         state = load_file(str(Path(folder) / "drafter.safetensors"))
-        drafter = cls(base, state.get("draft_vocab"))
+        layers = state.get("feature_layers")
+        drafter = cls(base, state.get("draft_vocab"), [] if layers is None else layers.tolist())
         drafter.load_state_dict(state)
         return drafter.eval()
 
@@ -89,6 +110,27 @@ class FeatureDrafter(nn.Module):
         state = {k: v.detach().to("cpu", dtype if dtype is not None and v.is_floating_point() else v.dtype)
                  .contiguous() for k, v in self.state_dict().items() if v is not None}
         save_file(state, str(Path(folder) / "drafter.safetensors"))
+
+    def layers_read(self) -> list[int]:
+        """The base layers whose outputs this drafter reads: -1 (the final, normed feature), then `feature_layers`."""
+        return [-1] + self._layers
+
+    def read_features(self, states: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> torch.Tensor:
+        """The feature this drafter reads at base positions, `(..., hidden)` in its dtype, from the base's hidden
+        states: a mapping `hidden_<i>` (as `hf_bpd.training.features` names them) or the tuple a forward with
+        `output_hidden_states=True` returns (the embeddings, every layer's output, the last one normed)."""
+        def state(i):
+            if isinstance(states, Mapping):
+                return states[f"hidden_{i}"]
+            return states[-1] if i == -1 else states[i + 1]
+
+        dtype = self.fuse.weight.dtype
+        final = state(-1).to(dtype)
+        if self.lift is None:
+            return final
+        parts = [final] + [nn.functional.rms_norm(state(i).to(dtype), (final.shape[-1],), eps=1e-6)
+                           for i in self._layers]
+        return self.lift(torch.cat(parts, dim=-1))
 
     def output_weight(self) -> torch.Tensor:
         """The output layer's draft-vocabulary rows (gathered once while the output layer's weight is unchanged;

@@ -186,19 +186,25 @@ def test_online_training_side_by_side_with_heads(tiny_chat_base, tmp_path):
     done = subprocess.run(
         [sys.executable, "training/train_drafter.py", "--online", "--tokens", str(tmp_path / "stream.safetensors"),
          "--checkpoint", str(checkpoint), "--max-tokens", "800", "1600", "--heads", "--depths", "2",
+         "--feature-layers", "none", "0",
          "--batch-size", "4", "--held-out-sequences", "4", "--dev-references", str(refs), "--dev-depth", "3",
          "--save-dtype", "bf16", "--threads", "1", "--output", str(tmp_path / "curve")],
         cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     names = sorted(p.name for p in (tmp_path / "curve").iterdir())
-    assert names == ["drafter-0.8k", "drafter-1.6k", "heads-0.8k", "heads-1.6k"]
+    assert names == ["drafter-0.8k", "drafter-1.6k", "drafter-l0-0.8k", "drafter-l0-1.6k", "heads-0.8k",
+                     "heads-1.6k"]
     for name in names:
         record = json.loads((tmp_path / "curve" / name / "training.json").read_text())
         assert record["tokens"] >= record["budget"] and len(record["held_out"]["agreement"]) == 2
         assert 1.0 <= record["dev_chain_block_efficiency"] <= 4.0
         assert record["data"].startswith("online, the token stream ") and str(chats) in record["data"]
+        assert ("dev_top4_block_efficiency" in record) == name.startswith("drafter")
     state = load_file(tmp_path / "curve" / "drafter-1.6k" / "drafter.safetensors")
     assert state["fuse.weight"].dtype == torch.bfloat16 and state["draft_vocab"].tolist() == vocab
+    fused = load_file(tmp_path / "curve" / "drafter-l0-1.6k" / "drafter.safetensors")
+    assert fused["feature_layers"].tolist() == [0] and fused["lift.weight"].shape == (32, 64)
+    assert "lift.weight" not in state
     assert json.loads(done.stdout)["checkpoint_heads"]["held_out"]["agreement"]
     model = BlockwiseParallelForCausalLM.from_pretrained(tmp_path / "curve" / "heads-1.6k", base_model=base)
     prompt = torch.tensor([[1, 5, 9, 14]])

@@ -17,10 +17,13 @@ from transformers.cache_utils import DynamicCache
 
 
 @torch.no_grad()
-def base_features(base, ids: torch.Tensor) -> torch.Tensor:
-    """`(n, hidden)`: the base's final (normed) hidden state at every position of `ids (n,)`."""
+def base_features(base, ids: torch.Tensor, layers=None) -> torch.Tensor | dict[str, torch.Tensor]:
+    """`(n, hidden)`: the base's final (normed) hidden state at every position of `ids (n,)`; with `layers` (-1: the
+    final one, i: the output of decoder layer i) a mapping `hidden_<i>` of them, for drafters that fuse layers."""
     out = base(input_ids=ids[None].to(base.device), output_hidden_states=True, use_cache=False)
-    return out.hidden_states[-1][0]
+    if layers is None:
+        return out.hidden_states[-1][0]
+    return {f"hidden_{i}": out.hidden_states[-1 if i == -1 else i + 1][0] for i in layers}
 
 
 @torch.no_grad()
@@ -33,6 +36,8 @@ def chain_accepted_lengths(drafter, features: torch.Tensor, ids: torch.Tensor, p
     if n - prompt_length < 2:
         return []
     dtype = drafter.fuse.weight.dtype
+    if isinstance(features, dict):  # the base's hidden states by layer: what this drafter reads of them
+        features = drafter.read_features(features)
     feats = features.to(dtype)[None]
     positions = torch.arange(n, device=feats.device)[None]
     context = DynamicCache(config=drafter.config)
@@ -79,6 +84,8 @@ def heads_chain_accepted_lengths(heads, features: torch.Tensor, ids: torch.Tenso
     if n - prompt_length < 2:
         return []
     dtype = next(heads.parameters()).dtype
+    if isinstance(features, dict):
+        features = features["hidden_-1"]
     guesses = heads.to_vocab_ids(heads(features.to(dtype)[None]).argmax(-1))[0].tolist()  # (heads, n)
     ids = ids.tolist()
     accepted, last = [], prompt_length + 1
@@ -110,8 +117,9 @@ def chain_block_efficiency(model, along: list[tuple[torch.Tensor, int, torch.Ten
     along `[(ids, prompt length, base features)]`."""
     runs = []
     for ids, n, feats in along:
+        device = (feats["hidden_-1"] if isinstance(feats, dict) else feats).device
         if hasattr(model, "fuse"):
-            steps = chain_accepted_lengths(model, feats, ids.to(feats.device), n, depth, top_k)
+            steps = chain_accepted_lengths(model, feats, ids.to(device), n, depth, top_k)
         else:
             steps = heads_chain_accepted_lengths(model, feats, ids, n)
         runs.append((len(ids) - n, steps))

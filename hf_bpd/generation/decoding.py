@@ -142,6 +142,10 @@ def plan_feature_drafting(model, options: DraftingOptions) -> DecodingPlan:
     if drafter is None:
         raise BPDConfigError("drafter='feature' needs a feature-level drafter: load a checkpoint that has one "
                              "(a feature_drafter/ folder) or call model.load_feature_drafter(folder)")
+    if drafter.layers_read() != [-1]:
+        raise BPDConfigError(f"this feature-level drafter fuses base layers {drafter.layers_read()[1:]} with the "
+                             "final feature; generate() drafts with final-feature drafters only: load one trained "
+                             "with --feature-layers none")
     base = model.base_lm
     drafter.to(device=base.device, dtype=base.dtype)
     method = "feature-chain" + ("+lookup" if options.prompt_lookup else "")

@@ -137,10 +137,10 @@ def batch_features(base, batch: list[list[int]], layers: list[int], top_k: int,
 
 
 def online_batches(base, stream: Iterator[list[int]], max_tokens: int, batch_size: int, top_k: int = 8,
-                   pool: int = 256, seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-    """Feature batches computed on the fly (training without stored features), on the base's device: `pool`
-    sequences at a time from `stream`, batched by length, the batches in a seeded random order, until `max_tokens`
-    tokens were given."""
+                   pool: int = 256, seed: int = 0, layers: list[int] = (-1,)) -> Iterator[dict[str, torch.Tensor]]:
+    """Feature batches computed on the fly (training without stored features), on the base's device, with the
+    hidden states of `layers` (-1: the final one): `pool` sequences at a time from `stream`, batched by length, the
+    batches in a seeded random order, until `max_tokens` tokens were given."""
     rng, given = random.Random(seed), 0
     while given < max_tokens:
         sequences = sorted(itertools.islice(stream, pool), key=len)
@@ -151,7 +151,7 @@ def online_batches(base, stream: Iterator[list[int]], max_tokens: int, batch_siz
         for group in groups:
             if given >= max_tokens:
                 return
-            batch = batch_features(base, group, [-1], top_k, on_device=True)
+            batch = batch_features(base, group, list(layers), top_k, on_device=True)
             given += int(batch["lengths"].sum())
             yield batch
 

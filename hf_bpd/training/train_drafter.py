@@ -3,7 +3,8 @@ on base features: extracted ones (`hf_bpd.training.features`, `--features`) or c
 
 Each sequence trains every position at once, teacher-forced at depth 1 and unrolled for the deeper ones (HASS): at
 depth 1 the drafter reads the base's feature `f_i` and token i+1 and must give the base's next-token distribution
-at i+1 (its k most likely tokens, renormalised: soft targets) while its hidden state regresses onto `f_{i+1}`; at
+at i+1 (its k most likely tokens, renormalised: soft targets) while its hidden state regresses onto `f_{i+1}` (for a
+drafter with `feature_layers`, onto the fused feature it reads at i+1, held fixed); at
 depth d > 1 it reads its own hidden state of depth d-1 in place of the base's feature, as when drafting. Heads
 (`--heads`: fresh heads shaped like the checkpoint's) learn the same soft targets, head d from `f_i` alone. Several
 token budgets (`--max-tokens 1000000 3000000 10000000`) train side by side on one pass over the data, each with its
@@ -99,7 +100,8 @@ def _depth_terms(logits: torch.Tensor, batch: dict, targets: DraftTargets, depth
 def drafter_loss(drafter: FeatureDrafter, batch: dict, targets: DraftTargets, depths: int = 2,
                  feature_weight: float = 0.1) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """The batch's loss over `depths` drafting depths, and per depth `(agreeing positions, positions)`."""
-    features = batch["hidden_-1"].to(drafter.fuse.weight.dtype)
+    features = drafter.read_features(batch)  # the final feature, or it fused with lower layers' (feature_layers)
+    wanted = features.detach()  # what the next depth's state stands in for: the feature read at the next position
     tokens = batch["input_ids"].long()
     n, length = tokens.shape
     positions = torch.arange(length, device=tokens.device)[None].expand(n, length)
@@ -111,7 +113,7 @@ def drafter_loss(drafter: FeatureDrafter, batch: dict, targets: DraftTargets, de
             break
         hidden = drafter(state[:, :span], tokens[:, depth:depth + span], positions[:, depth - 1:depth - 1 + span])
         ce, valid, count = _depth_terms(drafter.logits(hidden), batch, targets, depth, span, drafter.to_vocab_ids)
-        regress = nn.functional.smooth_l1_loss(hidden.float(), features[:, depth:depth + span].float(),
+        regress = nn.functional.smooth_l1_loss(hidden.float(), wanted[:, depth:depth + span].float(),
                                                reduction="none").mean(-1)
         total = total + ((ce + feature_weight * regress) * valid).sum() / valid.sum().clamp_min(1) / depths
         counts.append(count)
@@ -278,6 +280,9 @@ def parse_args(argv=None):
                         "shape --heads trains)")
     p.add_argument("--max-tokens", type=int, nargs="+", default=[1_000_000],
                    help="training-token budgets, each trained side by side on one pass (a learning curve)")
+    p.add_argument("--feature-layers", nargs="+", default=["none"], metavar="SPEC",
+                   help="drafters trained side by side at every budget: 'none' (the final feature alone) or the "
+                        "lower decoder layers fused with it, comma-separated (e.g. 2,15: EAGLE-3's fused features)")
     p.add_argument("--heads", action="store_true", help="also train fresh heads shaped like the checkpoint's on the "
                    "same batches, at every budget")
     p.add_argument("--depths", type=int, default=2, help="drafting depths trained (2: one unrolled step)")
@@ -308,7 +313,18 @@ def parse_args(argv=None):
         p.error(f"--tokens {args.tokens}: no such file (write one with training/tokenize_sources.py)")
     if min(args.max_tokens) <= 0:
         p.error("--max-tokens: budgets must be positive")
+    try:
+        args.feature_layers = [[] if spec == "none" else [int(i) for i in spec.split(",")]
+                               for spec in args.feature_layers]
+    except ValueError:
+        p.error(f"--feature-layers {' '.join(args.feature_layers)}: each is 'none' or layer numbers joined by commas "
+                "(2,15)")
     return args
+
+
+def layers_needed(args) -> list[int]:
+    """The base layers the trained drafters read: -1 (the final feature), then every fused layer."""
+    return [-1] + sorted({i for spec in args.feature_layers for i in spec})
 
 
 def _trainees(args, base, draft_vocab, heads_config, vocab_size) -> list[Trainee]:
@@ -317,9 +333,11 @@ def _trainees(args, base, draft_vocab, heads_config, vocab_size) -> list[Trainee
     targets = DraftTargets(draft_vocab, vocab_size)
     trainees = []
     for budget in sorted(args.max_tokens):
-        drafter = FeatureDrafter(base, draft_vocab).to(args.device)
-        trainees.append(Trainee(f"drafter-{_size(budget)}", drafter,
-                                lambda m, b: drafter_loss(m, b, targets, args.depths), budget, args.lr))
+        for spec in args.feature_layers:
+            drafter = FeatureDrafter(base, draft_vocab, spec).to(args.device)
+            name = "drafter-" + ("l" + ".".join(map(str, spec)) + "-" if spec else "") + _size(budget)
+            trainees.append(Trainee(name, drafter, lambda m, b: drafter_loss(m, b, targets, args.depths), budget,
+                                    args.lr))
         if args.heads:
             shape = {k: getattr(heads_config, k) for k in ("num_heads", "head_type", "num_layers_per_head",
                                                           "head_intermediate_size", "tie_head_projection")}
@@ -373,9 +391,10 @@ def main(argv=None) -> int:
         else:
             held = held_out_prompts([p for p in args.exclude if Path(p).exists()])
             stream = sequence_stream(args.sources, tokenizer, held, args.max_length)
+        layers = layers_needed(args)
         held_out = list(online_batches(base, iter([next(stream) for _ in range(args.held_out_sequences)]),
-                                       float("inf"), args.batch_size, pool=args.held_out_sequences))
-        data = online_batches(base, stream, max(args.max_tokens), args.batch_size, seed=args.seed)
+                                       float("inf"), args.batch_size, pool=args.held_out_sequences, layers=layers))
+        data = online_batches(base, stream, max(args.max_tokens), args.batch_size, seed=args.seed, layers=layers)
     else:
         folder = Path(args.features)
         train_shards, eval_shards = shard_files(folder, args.held_out_shards)
@@ -386,7 +405,7 @@ def main(argv=None) -> int:
     if args.dev_references:
         from ..evaluation import drafter_quality
 
-        along = [(ids, n, drafter_quality.base_features(base, ids)) for ids, n in
+        along = [(ids, n, drafter_quality.base_features(base, ids, layers_needed(args))) for ids, n in
                  drafter_quality.read_references(args.dev_references)]
     if args.tokens:
         info = read_metadata(args.tokens)
@@ -421,6 +440,9 @@ def main(argv=None) -> int:
             trainee.module.eval()
             record["dev_chain_block_efficiency"] = round(drafter_quality.chain_block_efficiency(
                 trainee.module, along, args.dev_depth), 4)
+            if not hasattr(trainee, "checkpoint"):  # a full tree of its top 4 at every depth: a tree's upper bound
+                record["dev_top4_block_efficiency"] = round(drafter_quality.chain_block_efficiency(
+                    trainee.module, along, args.dev_depth, top_k=4), 4)
         folder = output if len(trainees) == 1 else output / trainee.name
         if hasattr(trainee, "checkpoint"):
             if args.save_dtype == "bf16":
