@@ -37,6 +37,61 @@ def test_drafting_step_by_step_on_the_cache_equals_one_pass(arch):
     assert not any(k.startswith("_frozen") or "embed" in k for k in drafter.state_dict())  # the base's parts
 
 
+def test_a_fused_drafter_starts_as_the_plain_one_and_learns_its_lift(tmp_path):
+    """`feature_layers` (EAGLE-3's fused features): the lift starts as the identity on the final feature, reads the
+    same from a forward's hidden-state tuple and from feature batches' `hidden_<i>`, trains, and saves and loads."""
+    from hf_bpd.evaluation import drafter_quality
+
+    from tests.conftest import TINY_CONFIGS
+
+    config = TINY_CONFIGS["llama"]()
+    config.num_hidden_layers = 3
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config).eval()
+    fused = FeatureDrafter(base, draft_vocab=torch.arange(10, 60), feature_layers=[1, 0])
+    plain = FeatureDrafter(base, draft_vocab=torch.arange(10, 60))
+    plain.load_state_dict({k: v for k, v in fused.state_dict().items() if k not in ("lift.weight", "feature_layers")})
+    assert fused.layers_read() == [-1, 1, 0] and plain.layers_read() == [-1]
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        states = base(input_ids=ids, output_hidden_states=True).hidden_states
+    by_name = drafter_quality.base_features(base, ids[0], fused.layers_read())
+    assert sorted(by_name) == ["hidden_-1", "hidden_0", "hidden_1"]
+    assert torch.equal(fused.read_features(states)[0], fused.read_features(by_name))
+    assert torch.equal(fused.read_features(states), plain.read_features(states))  # the identity on f at the start
+    positions = torch.arange(11)[None]
+    with torch.no_grad():
+        assert torch.equal(fused(fused.read_features(states)[:, :11], ids[:, 1:], positions),
+                           plain(plain.read_features(states)[:, :11], ids[:, 1:], positions))
+
+    batch = {"input_ids": ids.int(), "lengths": torch.tensor([12], dtype=torch.int32),
+             **{k: v[None] for k, v in by_name.items()}}
+    logits = base(input_ids=ids).logits.float()
+    top = logits.topk(4, -1)
+    batch["top_ids"], batch["top_logprobs"] = top.indices.int(), top.values - logits.logsumexp(-1, keepdim=True)
+    targets = train_drafter.DraftTargets(fused.draft_vocab, base.config.vocab_size)
+    loss, counts = train_drafter.drafter_loss(fused, batch, targets, depths=3)
+    loss.backward()
+    grad = fused.lift.weight.grad
+    assert len(counts) == 3 and grad is not None and grad[:, 32:].abs().sum() > 0  # the lower layers get a say
+
+    with torch.no_grad():
+        fused.lift.weight.add_(0.01 * torch.randn_like(fused.lift.weight))
+    fused.save(tmp_path / "fused", dtype=None)
+    again = FeatureDrafter.load(tmp_path / "fused", base)
+    assert again.layers_read() == [-1, 1, 0] and torch.equal(again.lift.weight, fused.lift.weight)
+    assert torch.equal(again.read_features(states), fused.read_features(states))
+    with pytest.raises(ValueError, match="distinct decoder layers 0..1"):
+        FeatureDrafter(base, feature_layers=[2])
+    with pytest.raises(ValueError, match="distinct decoder layers"):
+        FeatureDrafter(base, feature_layers=[0, 0])
+
+    model = hf_bpd.BlockwiseParallelForCausalLM.from_base(base, num_heads=2).eval()
+    model.load_feature_drafter(tmp_path / "fused")
+    with pytest.raises(hf_bpd.BPDConfigError, match=r"fuses base layers \[1, 0\].*--feature-layers none"):
+        model.generate(ids[:, :5], max_new_tokens=4, drafter="feature")
+
+
 def test_training_on_features_teaches_the_bases_next_tokens(tiny_chat_base, tmp_path):
     torch.manual_seed(0)
     tokenizer = hf_bpd.load_tokenizer(str(tiny_chat_base))
