@@ -293,6 +293,26 @@ def test_drafted_steps_that_deliver_less_than_plain_ones_raise_the_bar():
     assert clear.losing() and clear.choose([0]) == 2
 
 
+def test_drafted_widths_are_charged_what_drafting_the_rows_costs():
+    """The shadow probes' per-row time stands in for drafting's cost only until a drafted step ran; then a drafted
+    width is charged the drafted steps' own per-row time, for the rows of the step."""
+    from hf_bpd.generation.batch_width import BatchWidth
+
+    p = BatchWidth({1: 10.0, 4: 20.0, 8: 30.0, 4096: 1e6}, 2, 4)
+    p.timing(4, 20.0)
+    for r in range(4):
+        for _ in range(20):
+            p.record(r, 1, 1)  # every draft accepted: a width of 2 gains ~2 tokens per row
+    for _ in range(3):
+        p.stepped(1, 2.0, 4)  # probes: 0.5 ms a row
+    assert p.drafting_cost(4) == pytest.approx(2.0) and p.choose([0, 1, 2, 3]) == 2  # ~2 / 32 ms vs 1 / 20 ms
+    p.stepped(2, 40.0, 4)  # a drafted step's drafting: 10 ms a row
+    assert p.drafting_cost(4) == pytest.approx(40.0) and p.choose([0, 1, 2, 3]) == 1  # ~2 / 70 ms: plain
+    assert p.drafting_cost(1) == pytest.approx(10.0)
+    p.stepped(1, 2.0, 4)  # later probes leave the drafted steps' figure alone
+    assert p.drafting_cost(4) == pytest.approx(40.0)
+
+
 @pytest.mark.parametrize("costs, drafting", [({1: 1e6, 4096: 1e6}, True), ({1: 10.0, 4096: 40960.0}, False)],
                          ids=["flat-costs-draft", "steep-costs-plain"])
 def test_the_switch_turns_drafting_on_and_off_and_rows_stay_exact(costs, drafting, monkeypatch):

@@ -136,7 +136,7 @@ def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: di
                 chains = [list((row.drafter.drafts(row.hidden, row.tokens, num_heads)[0] or [()])[0])
                           for row in active]
         drafting_ms = 1000 * (time.perf_counter() - start)
-    policy.stepped(width, drafting_ms)
+    policy.stepped(width, drafting_ms, len(active))
     for r, row in enumerate(active):
         room = left[r] - 1
         if width > 1 and not budgeted and room > 0:

@@ -7,7 +7,10 @@ rate of accepting its draft token at depth `d` once the ones before it were acce
 row is done, so what a step buys is the progress of the rows with the most left to decode (the "laggards": within
 `LAGGARDS` of the most tokens left), the least of their gains: each step takes the `W` with the most of it per
 millisecond, `min_laggards E_r(W) / (cost(rows * W) + drafting)`, a wider block only when it beats the best narrower
-one by `MARGIN`; `W = 1` is a plain step (nothing drafted, nothing padded). On a CPU a forward's cost grows with its
+one by `MARGIN`; `W = 1` is a plain step (nothing drafted, nothing padded). `drafting` is the running per-row time
+of this call's drafted steps' drafting times the rows (each row's drafter rescores its paths: at 16 rows this is
+~50 ms, most of a plain step), kept apart from the shadow probes' (one heads call for all rows, a few ms), which
+stand in only until a drafted step has run. On a CPU a forward's cost grows with its
 tokens (SmolLM2, eager, AMD EPYC: ~110 ms for a batch of 16 one-token rows, ~160 for 16 two-token rows), so a batch of
 16 rows verifying 8 tokens each lost to plain batched decoding; the switch verifies the depths that pay, and none
 when none do.
@@ -82,7 +85,8 @@ class BatchWidth:
         self.tries = [[0] * depths for _ in range(rows)]
         self.hits = [[0] * depths for _ in range(rows)]
         self.plain_steps = 0  # plain steps since the last drafted or probed one
-        self.drafting_ms = 0.0  # running cost of drafting every row once
+        self.drafting_row_ms = 0.0  # running ms per row of a drafted step's drafting (the drafter's full work)
+        self.probe_row_ms = 0.0  # running ms per row of a plain step's shadow drafts (one heads call, argmax chains)
         self.hopeless = False  # whether the last choice found every drafted width far from paying
         self.last_drafting_ms = 0.0  # what the last step's drafting took (0: none)
         self.realized = [[0.0, 0.0, 0], [0.0, 0.0, 0]]  # plain, drafted steps: decaying tokens, ms; steps
@@ -142,10 +146,16 @@ class BatchWidth:
         """Tokens row `row` is expected to gain from a block of `width`."""
         return self.gains(row)[width - 1]
 
+    def drafting_cost(self, rows: int) -> float:
+        """ms that drafting `rows` rows for a drafted step is expected to take: the running per-row time of this
+        call's drafted steps, or, before one has run, of its shadow probes (cheaper: a lower bound)."""
+        return rows * (self.drafting_row_ms or self.probe_row_ms)
+
     def choose(self, rows: list[int], remaining: list[int] | None = None, step_rows: int | None = None) -> int:
         """The block width for a step of `rows` (1: a plain step); `remaining[i]` is how many tokens row `rows[i]` may
         still decode (see `LAGGARDS`); `step_rows`: the rows the step computes when more than `rows` (a compiled
-        batch's finished rows ride along). A drafted width is charged the running drafting time (`stepped`)."""
+        batch's finished rows ride along). A drafted width is charged what drafting the rows costs
+        (`drafting_cost`)."""
         if self.steps_timed == 0:  # the table is one sequence's: a first plain step measures what a batch costs
             self.hopeless = False
             return 1
@@ -160,9 +170,10 @@ class BatchWidth:
         least = [min(column) for column in zip(*(self.gains(r, pooled) for r in laggards))]
         # drafted steps that delivered fewer tokens per ms than plain ones in this call: only a clear win drafts
         margin = GUARD_MARGIN if self.losing() else MARGIN
+        drafting = self.drafting_cost(len(rows))
         for w in range(2, self.max_width + 1):
             gain = least[w - 1]
-            value = gain / (self.cost(computed * w) + self.drafting_ms)
+            value = gain / (self.cost(computed * w) + drafting)
             if value > best_value * (1 + margin):
                 best, best_value = w, value
             drafted = max(drafted, value)
@@ -189,12 +200,15 @@ class BatchWidth:
         """Whether this plain step should draft anyway (shadow drafts, see the module docstring)."""
         return self.plain_steps + 1 >= (PROBE_EVERY * 4 if self.hopeless else PROBE_EVERY)
 
-    def stepped(self, width: int, drafting_ms: float | None) -> None:
-        """A step of `width` ran; `drafting_ms`: what drafting its rows took (for verification or as shadow drafts),
-        None when they did not draft."""
+    def stepped(self, width: int, drafting_ms: float | None, rows: int = 1) -> None:
+        """A step of `width` over `rows` rows ran; `drafting_ms`: what drafting its rows took (for verification, or
+        as a plain step's shadow drafts), None when they did not draft. Drafted steps and probes keep their own
+        per-row times: a drafted step's drafter rescores every row, a probe only runs the heads."""
         self.last_drafting_ms = drafting_ms or 0.0
         if drafting_ms is not None:
-            self.drafting_ms = drafting_ms if self.drafting_ms == 0.0 else 0.7 * self.drafting_ms + 0.3 * drafting_ms
+            name = "drafting_row_ms" if width > 1 else "probe_row_ms"
+            per_row, before = drafting_ms / max(rows, 1), getattr(self, name)
+            setattr(self, name, per_row if before == 0.0 else 0.7 * before + 0.3 * per_row)
         self.plain_steps = 0 if width > 1 or drafting_ms is not None else self.plain_steps + 1
 
     def record(self, row: int, tried: int, accepted: int) -> None:
