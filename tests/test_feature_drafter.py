@@ -112,6 +112,8 @@ def test_training_on_features_teaches_the_bases_next_tokens(tiny_chat_base, tmp_
     vocab = torch.unique(torch.cat([t[k].flatten().long() for t in shards for k in ("input_ids", "top_ids")]))
     drafter = FeatureDrafter(base, draft_vocab=vocab)  # a draft vocabulary: the tokens the data uses
     shards_train, shards_eval = train_drafter.shard_files(folder, 1)
+    with pytest.raises(ValueError, match=r"layers \[-1\], not \[0\]: extract with --layers -1 0"):
+        train_drafter.shard_files(folder, 1, layers=[-1, 0])  # a fused drafter needs layer 0's states
     targets = train_drafter.DraftTargets(vocab, base.config.vocab_size)
     held_out = list(train_drafter.batches(folder, shards_eval, 200_000, 8))
     before = train_drafter.evaluate(drafter, lambda m, b: train_drafter.drafter_loss(m, b, targets, 2), held_out)

@@ -38,11 +38,16 @@ from .features import MANIFEST, read_manifest
 logger = logging.getLogger(__name__)
 
 
-def shard_files(folder: Path, held_out: int) -> tuple[list[dict], list[dict]]:
-    """`(training shards, held-out shards)`: the last `held_out` shards of the extraction are never trained on."""
+def shard_files(folder: Path, held_out: int, layers=(-1,)) -> tuple[list[dict], list[dict]]:
+    """`(training shards, held-out shards)`: the last `held_out` shards of the extraction are never trained on;
+    the extraction must hold the hidden states of `layers` (what the drafters read)."""
     manifest = read_manifest(folder)
     if manifest is None:
         raise ValueError(f"{folder} holds no {MANIFEST}: extract features into it first (training/extract_features.py)")
+    missing = [i for i in layers if i not in manifest.get("layers", [-1])]
+    if missing:
+        raise ValueError(f"{folder} holds the hidden states of layers {manifest.get('layers', [-1])}, not {missing}: "
+                         f"extract with --layers {' '.join(map(str, layers))}, or train other --feature-layers")
     shards = manifest["shards"]
     if len(shards) <= held_out:
         raise ValueError(f"{folder} has {len(shards)} shards: extract more (or pass a smaller --held-out-shards)")
@@ -237,7 +242,7 @@ def train(drafter: FeatureDrafter, folder: Path, max_tokens: int, depths: int = 
     """Train `drafter` on the first `max_tokens` tokens of the extraction in `folder` (the last `held_out_shards`
     shards held out); `bf16`: the forward and backward under bfloat16 autocast (weights and optimizer in fp32)."""
     folder = Path(folder)
-    train_shards, eval_shards = shard_files(folder, held_out_shards)
+    train_shards, eval_shards = shard_files(folder, held_out_shards, drafter.layers_read())
     available = sum(s["tokens"] for s in train_shards)
     if available < max_tokens:
         raise ValueError(f"{folder} holds {available} training tokens, fewer than --max-tokens {max_tokens}: "
@@ -397,7 +402,7 @@ def main(argv=None) -> int:
         data = online_batches(base, stream, max(args.max_tokens), args.batch_size, seed=args.seed, layers=layers)
     else:
         folder = Path(args.features)
-        train_shards, eval_shards = shard_files(folder, args.held_out_shards)
+        train_shards, eval_shards = shard_files(folder, args.held_out_shards, layers_needed(args))
         held_out = list(batches(folder, eval_shards, 200_000, 8, args.device))
         data = batches(folder, train_shards, max(args.max_tokens), args.batch_size, args.device)
     trainees = _trainees(args, base, draft_vocab, heads_config, base.config.vocab_size)
