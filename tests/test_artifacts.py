@@ -209,3 +209,69 @@ def test_compile_command_says_which_drafting_shapes_the_artifact_serves():
     assert _largest_block(model, Namespace(tree="4,4", draft_nodes=None)) == 21 > artifacts.MAX_BLOCK
     assert _largest_block(model, Namespace(tree=None, draft_nodes=7)) == 3  # 2 heads draft 2 nodes at most
     assert _largest_block(tiny_base(), Namespace(tree=None, draft_nodes=None)) == 1
+
+
+def test_one_artifact_serves_batches_each_row_on_its_own_positions_and_mask(built):
+    """Rows of one call with their own positions and masks (holes, other lengths) get what the eager step gives
+    them (a step built from inputs whose rows shared one position row computed every row from row 0's)."""
+    _, base, path = built
+    artifact = artifacts.Artifact(path)
+    rows, block, past, capacity = 3, 2, 20, 64
+    closed = torch.finfo(torch.float32).min
+    g = torch.Generator().manual_seed(7)
+    kv = [torch.randn(rows, 2, capacity, 8, generator=g) for _ in range(4)]
+    mask = torch.zeros(rows, 1, block, past + block)
+    mask[:, 0, :, past:] = torch.triu(torch.full((block, block), closed), 1)
+    mask[1, :, :, :5] = closed
+    mask[2, :, :, 3:9] = closed
+    ids = torch.randint(0, 96, (rows, block), generator=g)
+    positions = torch.stack([past + torch.arange(block), 15 + torch.arange(block), 14 + torch.arange(block)])
+    eager_kv = [t.clone() for t in kv]
+    logits, _ = artifact(ids, positions, mask, torch.tensor(past), kv)
+    cache, _ = artifacts._example(base, capacity=capacity, rows=rows)
+    full = torch.full((rows, 1, block, capacity), closed)
+    full[..., :past + block] = mask
+    with torch.no_grad():
+        eager_logits, _ = artifacts._Step(base, cache)(ids, positions, full, torch.tensor(past), eager_kv)
+    assert torch.allclose(logits, eager_logits, atol=1e-4)
+    for new, old in zip(kv, eager_kv):  # every row's keys/values written where the eager step wrote them
+        assert torch.allclose(new, old, atol=1e-5)
+
+
+def test_compile_true_verifies_batches_on_the_artifact_row_exact(built, monkeypatch):
+    """`generate(compile=True)` on a batch runs the artifact's batched runner (nothing compiled in the call): with
+    forced drafts that rows accept to different depths, every row equals its prompt's lone greedy output, and rows
+    that stop move to a runner of fewer rows."""
+    from hf_bpd.runtime import batched
+    from tests.test_batch import PAD, check_rows, left_padded, random_prompts
+    from tests.test_batch_compiled import reference_drafts
+
+    _, base, _ = built
+    model = BlockwiseParallelForCausalLM.from_base(base, num_heads=3).eval()
+    prompts = random_prompts(5, seed=11, longest=18)
+    kwargs = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    ids, mask = left_padded(prompts)
+    width = ids.shape[1]
+    lone = reference_drafts(monkeypatch, model, prompts, width, kwargs)
+    out = model.generate(ids, attention_mask=mask, compile=True, **kwargs)
+    assert check_rows(model, prompts, out, width, kwargs) == 0
+    stats = model.last_generation_stats
+    assert stats.verifier == "artifact" and stats.compile_seconds == 0.0
+    per_step = list(zip(*[row.accepted_lengths[2:] for row in stats.rows]))
+    assert any(len(set(step)) > 2 for step in per_step)  # ragged: rows accepted different lengths together
+    runners = batched._RUNNERS[base]
+    assert runners and all(isinstance(r, batched.ArtifactBatchedRunner) and not r.compiled_widths
+                           for r in runners.values())
+
+    # rows stop at their own EOS: the rest move to a runner of fewer rows (the same artifact)
+    stops = {t: sum(t in lone[r][:20] for r in range(5)) for t in range(3, 96)}
+    eos = max(stops, key=stops.get)
+    kwargs_eos = dict(kwargs, eos_token_id=eos)
+    monkeypatch.setattr("hf_bpd.generation.batch_cache.SHRINK", 2)
+    out = model.generate(ids, attention_mask=mask, compile=True, **kwargs_eos)
+    assert check_rows(model, prompts, out, width, kwargs_eos) == 0
+    assert min(rows for rows, _, _ in runners) < 5 and model.last_generation_stats.verifier == "artifact"
+    # plain compiled batches (use_heads=False) on the artifact too
+    out = model.generate(ids, attention_mask=mask, compile=True, use_heads=False, **kwargs)
+    assert check_rows(model, prompts, out, width, kwargs) == 0
+    assert model.last_generation_stats.verifier == "artifact"

@@ -101,7 +101,7 @@ def test_compiled_batch_rows_equal_their_lone_output(monkeypatch):
     out = model.generate(ids, attention_mask=mask, compile="wait", **kwargs_eos)
     assert check_rows(model, prompts, out, width, kwargs_eos) == 0
     assert stops[eos] >= 3  # at most 3 rows left: they fit 4 rows
-    assert {rows for rows, _ in batched._RUNNERS[model.base_lm]} >= {6, 4}
+    assert {rows for rows, _, _ in batched._RUNNERS[model.base_lm]} >= {6, 4}
 
 
 @pytest.mark.skipif(kernels_unsupported_reason() is not None, reason="hf_bpd's bf16 kernels need AVX512-BF16")
@@ -156,7 +156,7 @@ def test_bf16_compiled_batch_rows_equal_their_lone_compiled_output(monkeypatch):
     out = model.generate(ids, attention_mask=mask, compile="wait", output_logits=True, return_dict_in_generate=True,
                          **kwargs_eos)
     assert_equal_bits(out, *lone_compiled(kwargs_eos))
-    assert min(rows for rows, _ in batched._RUNNERS[model.base_lm]) < 6  # the rows left moved to a smaller runner
+    assert min(rows for rows, _, _ in batched._RUNNERS[model.base_lm]) < 6  # the rows left moved to a smaller runner
     batched.discard_batched_runners(model.base_lm)
 
 

@@ -43,7 +43,8 @@ def cmd_compile(args) -> int:
     largest = _largest_block(model, args)
     path = artifacts.build(base, args.threads, log=lambda m: print(f"hf-bpd: {m}", file=sys.stderr))
     print(f"{path} ready ({time.perf_counter() - start:.0f} s); generate(compile=True) with {args.threads} threads "
-          f"loads it; it serves blocks of 1 to {artifacts.MAX_BLOCK} tokens and every context length")
+          f"loads it; it serves blocks of 1 to {artifacts.MAX_BLOCK} tokens, every context length and batches of up "
+          f"to {artifacts.MAX_ROWS} rows")
     if largest > artifacts.MAX_BLOCK:
         print(f"hf-bpd: the drafting shape asked for verifies blocks of {largest} tokens, over {artifacts.MAX_BLOCK}: "
               "those steps run eagerly (compile='wait': with torch.compile in each process); use at most "

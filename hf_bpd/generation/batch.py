@@ -5,9 +5,11 @@ decoding keeps them: they share one cache in which each row's tokens occupy some
 it kept fewer tokens than another row (`hf_bpd.generation.batch_cache`). Each row's positions count only its own
 tokens, so rotary embeddings see every row as if it were alone, and a step's 4D mask per row opens its valid slots
 and its tree's ancestors. The prompt pass runs eagerly over the left-padded batch. The steps run the eager base on a
-`DynamicCache` (finished rows leave it), or, with `compile="wait"` on an fp32 base (or a bf16 / int8-weight base on
-hf_bpd's kernels, whose prompts then run one by one, each as a lone call's compiled prompt pass), a compiled batched
-step on a static cache (`hf_bpd.runtime.batched`; finished rows ride along until the rest fit a smaller runner).
+`DynamicCache` (finished rows leave it), or a compiled batched step on a static cache (`hf_bpd.runtime.batched`;
+finished rows ride along until the rest fit a smaller runner): with `compile=True` an fp32 base's artifact (built
+once per machine, nothing compiled in the call; eagerly while it is being built), with `compile="wait"` steps compiled
+per shape in the call, also for a bf16 / int8-weight base on hf_bpd's kernels (whose prompts then run one by one,
+each as a lone call's compiled prompt pass).
 
 Drafts: the heads run once per step for every row (the int8 heads kernel's multi-row call, `_rows_head_top`), then
 each row drafts as the checkpoint's defaults say (its own rescorer state: rescored p-best paths and prompt lookup's
@@ -147,12 +149,25 @@ def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: di
     return trees
 
 
-def _compiled_runner(base, rows: int, needed_length: int):
+def _compiled_runner(base, rows: int, needed_length: int, wait: bool):
     """A compiled batched runner of `base` for `rows` rows holding `needed_length` tokens (`hf_bpd.runtime.batched`),
-    or None (with a one-line warning) when batches of this base cannot run compiled."""
-    from ..runtime.batched import batched_runner, batched_unsupported_reason
+    or None (with a one-line warning) when batches of this base cannot run compiled. `compile=True` (not `wait`):
+    the base's artifact's runner (`ArtifactBatchedRunner`), or None, silently, while the artifact is being built in
+    the background (`hf_bpd.runtime.background`; bases it cannot serve say why)."""
+    from ..runtime import background
+    from ..runtime.batched import batched_artifact_unsupported_reason, batched_runner, batched_unsupported_reason
 
     reason = batched_unsupported_reason(base)
+    if reason is None and not wait:
+        reason = batched_artifact_unsupported_reason(base, rows)
+        if reason is None:
+            artifact = background.ready_artifact(base)
+            runner = batched_runner(base, rows, needed_length, artifact) if artifact is not None else None
+            if artifact is not None and runner is None:
+                warnings.warn(f"hf_bpd: the batch verifies eagerly (a static cache of {rows} rows x {needed_length} "
+                              "tokens would be too large)", stacklevel=5)
+            return runner
+        reason += ': compile="wait" compiles its batched steps in the call'
     runner = batched_runner(base, rows, needed_length) if reason is None else None
     if reason is None and runner is None:
         reason = f"a static cache of {rows} rows x {needed_length} tokens would be too large"
@@ -215,11 +230,12 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
 
     with contextlib.ExitStack() as held:  # a compiled batch holds its runners' lock until it ends
         runner, needed = None, generation_config.max_length + getattr(plan.drafter, "num_heads", 0) + 1
-        if plan.compile == "wait" and not plan.row_drafts:
+        if plan.compile and not plan.row_drafts:
             held.enter_context(batched_lock())
-            runner = _compiled_runner(base, batch, needed)
+            runner = _compiled_runner(base, batch, needed, plan.compile == "wait")
         ragged, logits, hidden = _prompt_pass(model, input_ids, mask, runner, needed)
-        stats.verifier = "compiled" if isinstance(ragged, StaticRaggedCache) else "eager"
+        stats.verifier = "eager" if not isinstance(ragged, StaticRaggedCache) else \
+            "artifact" if hasattr(ragged.runner, "artifact") else "compiled"
         logits = logits.float()
         for r, row in enumerate(rows):
             processed = logits_processor(row.sequence, logits[r: r + 1].clone())

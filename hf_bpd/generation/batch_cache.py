@@ -282,7 +282,8 @@ class StaticRaggedCache:
         size = 1
         while size < count:  # the next power of SHRINK
             size *= SHRINK
-        smaller = batched_runner(self.runner.base, size, self.runner.max_cache_len)
+        artifact = getattr(self.runner, "artifact", None)  # a runner of the same kind
+        smaller = batched_runner(self.runner.base, size, self.runner.max_cache_len, artifact)
         if smaller is None or smaller is self.runner:
             return
         length = self.length

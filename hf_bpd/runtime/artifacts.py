@@ -6,11 +6,14 @@ froze and autotuned the verification step again (~2-4 min for SmolLM2 on 2 cores
 freezing, the CPP GEMM templates, the GCC inlining options and the GEMM prefetch) into one package file, which every
 later process loads with `aoti_load_package` (~2 s) and runs at once.
 
-One artifact serves every block length from 1 to `MAX_BLOCK` and every context length: the block length `Q`, the KV
-cache's capacity `S` and the attended length `L` are dynamic dimensions. The KV tensors are inputs, written in place
-by the step (so the cache stays the caller's: rollback and growth are plain tensor operations), and the attention
-reads the first `L` cache slots only, the ones the `(1, 1, Q, L)` mask covers. A context that outgrows its cache
-gets a bigger cache, never a new compilation.
+One artifact serves every block length from 1 to `MAX_BLOCK`, every context length and batches of up to `MAX_ROWS`
+rows: the rows `B`, the block length `Q`, the KV cache's capacity `S` and the attended length `L` are dynamic
+dimensions (a batch's rows write their blocks at the same slots, each with its own positions and `(B, 1, Q, L)` mask:
+`hf_bpd.runtime.batched.ArtifactBatchedRunner`). The inputs must be dense: the code reads rows by the strides it was
+built with (an input whose rows were one broadcast row would be read as that row). The KV tensors are inputs,
+written in place by the step (so the cache stays the caller's: rollback and growth are plain tensor operations), and
+the attention reads the first `L` cache slots only, the ones the `(B, 1, Q, L)` mask covers. A context that outgrows
+its cache gets a bigger cache, never a new compilation.
 
 An artifact is valid for what it was built from, all in its key: the base's weights (a fingerprint of every tensor),
 dtype and config, the torch / transformers / hf_bpd versions, the CPU's instruction set and the thread count (baked
@@ -37,8 +40,9 @@ from .attention import attention_implementation
 from .ordered_attention import uses_ordered_attention
 from .step import VerificationStep, compile_unsupported_reason, kv_layout, verification_cache
 
-FORMAT = 2  # bump when the exported step changes
+FORMAT = 3  # bump when the exported step changes
 MAX_BLOCK = 16  # block lengths one artifact serves (1..MAX_BLOCK)
+MAX_ROWS = 64  # batch rows one artifact serves (1..MAX_ROWS)
 MAX_CONTEXT = 32768
 PACKAGE = "step.pt2"
 LOCK = "build.lock"  # held by whoever builds the artifact
@@ -104,7 +108,7 @@ def artifact_key(base, threads: int | None = None) -> dict:
             "config": hashlib.sha256(config.encode()).hexdigest()[:16], "torch": torch.__version__,
             "transformers": transformers.__version__, "hf_bpd": __version__,
             "cpu": torch.backends.cpu.get_cpu_capability(), "threads": threads or torch.get_num_threads(),
-            "max_block": MAX_BLOCK}
+            "max_block": MAX_BLOCK, "max_rows": MAX_ROWS}
 
 
 def key_dir(key: dict) -> Path:
@@ -125,25 +129,27 @@ class _Step(VerificationStep):
         return super().forward(input_ids, position_ids, cache_position, attention_mask)
 
 
-def _example(base, capacity: int = 64, block: int = 4, past: int = 8):
+def _example(base, capacity: int = 64, block: int = 4, past: int = 8, rows: int = 2):
     heads, head_dim = kv_layout(base.config)
     cache = verification_cache(base.config, capacity)
-    kv = [torch.zeros(1, heads, capacity, head_dim, dtype=base.dtype) for _ in range(2 * len(cache.layers))]
+    kv = [torch.zeros(rows, heads, capacity, head_dim, dtype=base.dtype) for _ in range(2 * len(cache.layers))]
     closed = torch.finfo(base.dtype).min
-    mask = torch.zeros(1, 1, block, past + block, dtype=base.dtype)
-    mask[0, 0, :, past:] = torch.triu(torch.full((block, block), closed, dtype=base.dtype), 1)
-    ids = torch.zeros(1, block, dtype=torch.long)
-    return cache, (ids, (past + torch.arange(block))[None], mask, torch.tensor(past), kv)
+    mask = torch.zeros(rows, 1, block, past + block, dtype=base.dtype)
+    mask[:, 0, :, past:] = torch.triu(torch.full((block, block), closed, dtype=base.dtype), 1)
+    ids = torch.zeros(rows, block, dtype=torch.long)
+    return cache, (ids, (past + torch.arange(block)).repeat(rows, 1), mask, torch.tensor(past), kv)
 
 
 def export_step(base):
-    """`torch.export` of the step with dynamic block length, cache capacity and attended length."""
+    """`torch.export` of the step with dynamic batch rows, block length, cache capacity and attended length."""
     cache, args = _example(base)
+    rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
     block = torch.export.Dim("block", min=1, max=MAX_BLOCK)
     attended = torch.export.Dim("attended", min=2, max=MAX_CONTEXT)
     capacity = torch.export.Dim("capacity", min=16, max=MAX_CONTEXT)
-    shapes = {"input_ids": {1: block}, "position_ids": {1: block}, "attention_mask": {2: block, 3: attended},
-              "length": None, "kv": [{2: capacity}] * len(args[-1])}
+    shapes = {"input_ids": {0: rows, 1: block}, "position_ids": {0: rows, 1: block},
+              "attention_mask": {0: rows, 2: block, 3: attended}, "length": None,
+              "kv": [{0: rows, 2: capacity}] * len(args[-1])}
     with torch.no_grad(), attention_implementation(base, ATTENTION_NAME):
         return torch.export.export(_Step(base, cache).eval(), args, dynamic_shapes=shapes, strict=False)
 

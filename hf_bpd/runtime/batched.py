@@ -11,8 +11,11 @@ compiled against ~110 ms eagerly. Attention reads only the slots in use (`hf_bpd
 `hf_bpd.runtime.attention`): over all 512 it was ~45 % of the 16-row step. With it, 32 dev prompts x 96 tokens in
 batches of 16 decode at 247 tok/s compiled (191 reading every slot) against 119 for transformers' batched
 `generate()`. Each shape compiles in ~65-95 s, so a call compiles only the shapes it meets (`compile="wait"`), and
-the graphs are kept for every later call of the process; `compile=True` (which never blocks for minutes) verifies
-batches eagerly.
+the graphs are kept for every later call of the process. `compile=True` (which never blocks for minutes) verifies
+fp32 batches on the base's artifact instead (`ArtifactBatchedRunner`, `hf_bpd.runtime.artifacts`: the same step,
+exported once per machine with dynamic rows, block length and context, loaded in seconds; eagerly while it is being
+built in the background): no shape compiles in any call, for a slower step at 16 rows (SmolLM2, Intel Xeon: 58 ms
+for 16 rows x 1 token against 48 compiled for that shape; at 4 rows the two are alike).
 Each compiled graph holds its own packed copy of the weights (inductor's freezing), so a base's batched shapes share
 `MAX_GRAPH_BYTES` of them; once that is spent, a new shape runs the same step eagerly on the same cache.
 
@@ -172,7 +175,51 @@ class BatchedRunner:
         return logits, hidden, True
 
 
-# base model -> {(rows, max_cache_len): runner}
+class ArtifactBatchedRunner(BatchedRunner):
+    """A `BatchedRunner` whose step is the base's prebuilt artifact (`hf_bpd.runtime.artifacts`: dynamic rows, block
+    length and context), loaded, never compiled: what `compile=True` verifies a batch with. Each step attends the
+    slots up to its block only; a block over the artifact's `MAX_BLOCK` runs the same step eagerly on the same cache."""
+
+    def __init__(self, base, rows: int, max_cache_len: int, artifact):
+        from .artifacts import MAX_BLOCK
+
+        super().__init__(base, rows, max_cache_len)
+        self.artifact, self.max_block = artifact, MAX_BLOCK
+        self.kv = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
+
+    def run(self, tokens, positions, mask, key_slots=None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        width = tokens.shape[1]
+        past = int(self.cache.layers[0].cumulative_length)
+        if width > self.max_block:
+            slots = torch.arange(past, past + width, device=tokens.device)
+            with self.attention(batched=True):
+                logits, hidden = self.step(tokens, positions, slots, mask)
+            return logits, hidden, False
+        attended = mask[..., : past + width].contiguous()  # the slots in use and this block
+        # dense inputs: the artifact's code indexes rows by the strides it was built with
+        logits, hidden = self.artifact(tokens.contiguous(), positions.contiguous(), attended, torch.tensor(past),
+                                       self.kv)
+        return logits, hidden, False
+
+
+def batched_artifact_unsupported_reason(base, rows: int) -> str | None:
+    """Why `base`'s artifact cannot verify its batches of `rows` rows (None when it can): artifacts off or unable to
+    serve the base, position-ordered (bf16) bases, whose batches compile in the call, sliding-window bases (the
+    artifact derives the window from one sequence's positions) and more rows than it serves."""
+    from . import artifacts
+
+    if rows > artifacts.MAX_ROWS:
+        return f"the artifact serves batches of up to {artifacts.MAX_ROWS} rows"
+    if not artifacts.enabled():
+        return "artifacts are turned off (HF_BPD_ARTIFACTS=0)"
+    if ordered_base(base):
+        return "bf16 batches on hf_bpd's kernels have no artifact"
+    if has_sliding_layers(base.config):
+        return "sliding-window bases have no batched artifact"
+    return artifacts.unsupported_reason(base)
+
+
+# base model -> {(rows, max_cache_len, kind): runner}; kind "compiled" (compiled in the call) or "artifact"
 _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCK = threading.RLock()  # one compiled batch at a time (a call may move between runners as its rows finish)
 
@@ -182,19 +229,22 @@ def batched_lock() -> threading.RLock:
     return _LOCK
 
 
-def batched_runner(base, rows: int, needed_length: int) -> BatchedRunner | None:
-    """The runner of `base` for `rows` rows whose cache holds `needed_length` tokens (the smallest existing one,
-    else a new one rounded up to `CACHE_BUCKET` slots); None when the base's runners' caches would then pass
+def batched_runner(base, rows: int, needed_length: int, artifact=None) -> BatchedRunner | None:
+    """The runner of `base` for `rows` rows whose cache holds `needed_length` tokens, running `artifact` (an
+    `ArtifactBatchedRunner`) or compiling its shapes (when `artifact` is None): the smallest existing one of that
+    kind, else a new one rounded up to `CACHE_BUCKET` slots; None when the base's runners' caches would then pass
     `MAX_CACHE_BYTES` together (runners are kept for the process)."""
     runners = _RUNNERS.setdefault(base, {})
-    fitting = [size for r, size in runners if r == rows and size >= needed_length]
+    kind = "compiled" if artifact is None else "artifact"
+    fitting = [size for r, size, k in runners if r == rows and k == kind and size >= needed_length]
     if fitting:
-        return runners[rows, min(fitting)]
+        return runners[rows, min(fitting), kind]
     size = -(-needed_length // CACHE_BUCKET) * CACHE_BUCKET
-    held = sum(cache_bytes(base, r, n) for r, n in runners)  # the static caches this base's runners keep
+    held = sum(cache_bytes(base, r, n) for r, n, _ in runners)  # the static caches this base's runners keep
     if held + cache_bytes(base, rows, size) > MAX_CACHE_BYTES or len(runners) >= MAX_COMPILED_SHAPES:
         return None
-    runner = runners[rows, size] = BatchedRunner(base, rows, size)
+    runner = BatchedRunner(base, rows, size) if artifact is None else ArtifactBatchedRunner(base, rows, size, artifact)
+    runners[rows, size, kind] = runner
     return runner
 
 
