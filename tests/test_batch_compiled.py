@@ -200,9 +200,10 @@ def test_a_failing_compiler_falls_back_to_eager_steps_on_the_same_cache(monkeypa
 
 
 def test_plain_compiled_batches_and_eager_fallbacks():
-    """`use_heads=False, compile="wait"`: one-token compiled steps for every row; `compile=True` keeps batches eager
-    (it never compiles for minutes in a call); bf16 batches the kernels cannot serve (here: a head dim of 8) verify
-    eagerly with a one-line warning."""
+    """`use_heads=False, compile="wait"`: one-token compiled steps for every row; `compile=True` without an artifact
+    (artifacts off here; `tests/test_artifacts.py` runs batches on one) verifies eagerly with a one-line warning that
+    names `compile="wait"` (it never compiles for minutes in a call); bf16 batches the kernels cannot serve (here: a
+    head dim of 8) verify eagerly with a one-line warning."""
     model = random_bpd("qwen2", 1)
     prompts = random_prompts(5, seed=9, longest=16)
     ids, mask = left_padded(prompts)
@@ -212,8 +213,14 @@ def test_plain_compiled_batches_and_eager_fallbacks():
     stats = model.last_generation_stats
     assert stats.verifier == "compiled" and stats.forward_passes == 12 and sum(stats.draft_tokens) == 0
 
-    model.generate(ids, attention_mask=mask, compile=True, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model.generate(ids, attention_mask=mask, compile=True, **kwargs)
     assert model.last_generation_stats.verifier == "eager"
+    assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
+    told = [str(w.message) for w in caught if "the batch verifies eagerly" in str(w.message)]
+    assert len(told) == 1 and "HF_BPD_ARTIFACTS=0" in told[0] and 'compile="wait"' in told[0]
+    assert "\n" not in told[0]
 
     half = copy.deepcopy(random_bpd("llama", 2)).to(torch.bfloat16)  # random_bpd's models are shared
     with warnings.catch_warnings(record=True) as caught:
