@@ -51,14 +51,13 @@ def batch_decoders(model, base, settings: dict, methods) -> dict:
 
 
 def _build_artifact(base) -> None:
-    """Build and load `base`'s artifact when it can verify its batches (what `compile=True` would otherwise start in
-    the background)."""
+    """Build (when missing) and load `base`'s artifact when it can verify its batches (what `compile=True` would
+    otherwise start in the background)."""
     from ..runtime import artifacts
     from ..runtime.batched import batched_artifact_unsupported_reason
 
     if batched_artifact_unsupported_reason(base, 1) is None:
-        artifacts.build(base)
-        artifacts.load(base, again=True)
+        artifacts.ensure(base)
 
 
 def check_batch_methods(methods) -> None:

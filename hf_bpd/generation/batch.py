@@ -157,18 +157,16 @@ def _compiled_runner(base, rows: int, needed_length: int, wait: bool):
     from ..runtime import background
     from ..runtime.batched import batched_artifact_unsupported_reason, batched_runner, batched_unsupported_reason
 
-    reason = batched_unsupported_reason(base)
+    reason, artifact = batched_unsupported_reason(base), None
     if reason is None and not wait:
         reason = batched_artifact_unsupported_reason(base, rows)
-        if reason is None:
+        if reason is not None:
+            reason += ': compile="wait" compiles its batched steps in the call'
+        else:
             artifact = background.ready_artifact(base)
-            runner = batched_runner(base, rows, needed_length, artifact) if artifact is not None else None
-            if artifact is not None and runner is None:
-                warnings.warn(f"hf_bpd: the batch verifies eagerly (a static cache of {rows} rows x {needed_length} "
-                              "tokens would be too large)", stacklevel=5)
-            return runner
-        reason += ': compile="wait" compiles its batched steps in the call'
-    runner = batched_runner(base, rows, needed_length) if reason is None else None
+            if artifact is None:  # being built in the background
+                return None
+    runner = batched_runner(base, rows, needed_length, artifact) if reason is None else None
     if reason is None and runner is None:
         reason = f"a static cache of {rows} rows x {needed_length} tokens would be too large"
     if runner is None:
@@ -234,8 +232,7 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
             held.enter_context(batched_lock())
             runner = _compiled_runner(base, batch, needed, plan.compile == "wait")
         ragged, logits, hidden = _prompt_pass(model, input_ids, mask, runner, needed)
-        stats.verifier = "eager" if not isinstance(ragged, StaticRaggedCache) else \
-            "artifact" if hasattr(ragged.runner, "artifact") else "compiled"
+        stats.verifier = ragged.runner.kind if isinstance(ragged, StaticRaggedCache) else "eager"
         logits = logits.float()
         for r, row in enumerate(rows):
             processed = logits_processor(row.sequence, logits[r: r + 1].clone())

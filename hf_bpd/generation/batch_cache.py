@@ -282,8 +282,7 @@ class StaticRaggedCache:
         size = 1
         while size < count:  # the next power of SHRINK
             size *= SHRINK
-        artifact = getattr(self.runner, "artifact", None)  # a runner of the same kind
-        smaller = batched_runner(self.runner.base, size, self.runner.max_cache_len, artifact)
+        smaller = batched_runner(self.runner.base, size, self.runner.max_cache_len, self.runner.artifact)
         if smaller is None or smaller is self.runner:
             return
         length = self.length

@@ -95,12 +95,7 @@ def compiled_verifier(model, needed_length: int, attention_mask=None, wait: bool
     artifact = None
     if artifacts.enabled() and artifacts.unsupported_reason(base) is None:
         if wait:
-            artifact = artifacts.load(base, again=True)
-            if artifact is None:
-                artifacts.build(base, log=lambda line: background.logger.warning("hf_bpd: %s", line))
-                artifact = artifacts.load(base, again=True)
-                if artifact is None:
-                    raise RuntimeError("the artifact just built did not load")
+            artifact = artifacts.ensure(base, log=lambda line: background.logger.warning("hf_bpd: %s", line))
         else:
             artifact = background.ready_artifact(base)
             if artifact is None:

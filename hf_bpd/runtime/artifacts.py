@@ -256,6 +256,17 @@ def load(base, threads: int | None = None, again: bool = False) -> Artifact | No
     return artifact
 
 
+def ensure(base, log=None) -> Artifact:
+    """`base`'s artifact, built here first when none is (`build`, with `log`), then loaded."""
+    artifact = load(base, again=True)
+    if artifact is None:
+        build(base, log=log)
+        artifact = load(base, again=True)
+        if artifact is None:
+            raise RuntimeError("the artifact just built did not load")
+    return artifact
+
+
 def preload(base, generation_config=None) -> None:
     """Load `base`'s artifact now (at `from_pretrained`) when its generation config compiles and one is built, so the
     first `generate()` runs at full speed; nothing when none is built (`HF_BPD_ARTIFACTS=0`: never)."""

@@ -14,8 +14,8 @@ batches of 16 decode at 247 tok/s compiled (191 reading every slot) against 119 
 the graphs are kept for every later call of the process. `compile=True` (which never blocks for minutes) verifies
 fp32 batches on the base's artifact instead (`ArtifactBatchedRunner`, `hf_bpd.runtime.artifacts`: the same step,
 exported once per machine with dynamic rows, block length and context, loaded in seconds; eagerly while it is being
-built in the background): no shape compiles in any call, for a slower step at 16 rows (SmolLM2, Intel Xeon: 58 ms
-for 16 rows x 1 token against 48 compiled for that shape; at 4 rows the two are alike).
+built in the background): no shape compiles in any call, for a slower step at 16 rows (SmolLM2, Intel Xeon: 54-58 ms
+for 16 rows x 1 token against ~48 for that compiled shape, docs/performance.md#batches).
 Each compiled graph holds its own packed copy of the weights (inductor's freezing), so a base's batched shapes share
 `MAX_GRAPH_BYTES` of them; once that is spent, a new shape runs the same step eagerly on the same cache.
 
@@ -94,6 +94,9 @@ def cache_bytes(base, rows: int, max_cache_len: int) -> int:
 class BatchedRunner:
     """One base's static cache of `rows` rows and its compiled steps, one graph per block width, shared by every
     call (see the module docstring)."""
+
+    kind = "compiled"  # what `GenerationStats.verifier` reports (and the runner's key in `_RUNNERS`)
+    artifact = None  # the prebuilt step an `ArtifactBatchedRunner` runs
 
     def __init__(self, base, rows: int, max_cache_len: int):
         self.base, self.rows, self.max_cache_len = base, rows, max_cache_len
@@ -180,6 +183,8 @@ class ArtifactBatchedRunner(BatchedRunner):
     length and context), loaded, never compiled: what `compile=True` verifies a batch with. Each step attends the
     slots up to its block only; a block over the artifact's `MAX_BLOCK` runs the same step eagerly on the same cache."""
 
+    kind = "artifact"
+
     def __init__(self, base, rows: int, max_cache_len: int, artifact):
         from .artifacts import MAX_BLOCK
 
@@ -235,7 +240,7 @@ def batched_runner(base, rows: int, needed_length: int, artifact=None) -> Batche
     kind, else a new one rounded up to `CACHE_BUCKET` slots; None when the base's runners' caches would then pass
     `MAX_CACHE_BYTES` together (runners are kept for the process)."""
     runners = _RUNNERS.setdefault(base, {})
-    kind = "compiled" if artifact is None else "artifact"
+    kind = (BatchedRunner if artifact is None else ArtifactBatchedRunner).kind
     fitting = [size for r, size, k in runners if r == rows and k == kind and size >= needed_length]
     if fitting:
         return runners[rows, min(fitting), kind]
