@@ -241,7 +241,7 @@ def test_one_artifact_serves_batches_each_row_on_its_own_positions_and_mask(buil
 def test_compile_true_verifies_batches_on_the_artifact_row_exact(built, monkeypatch):
     """`generate(compile=True)` on a batch runs the artifact's batched runner (nothing compiled in the call): with
     forced drafts that rows accept to different depths, every row equals its prompt's lone greedy output, and rows
-    that stop move to a runner of fewer rows."""
+    that stop leave the step (the rows after them move into their places: a step computes the active rows only)."""
     from hf_bpd.runtime import batched
     from tests.test_batch import PAD, check_rows, left_padded, random_prompts
     from tests.test_batch_compiled import reference_drafts
@@ -263,14 +263,23 @@ def test_compile_true_verifies_batches_on_the_artifact_row_exact(built, monkeypa
     assert runners and all(isinstance(r, batched.ArtifactBatchedRunner) and not r.compiled_widths
                            for r in runners.values())
 
-    # rows stop at their own EOS: the rest move to a runner of fewer rows (the same artifact)
+    # rows stop at their own EOS: the steps after compute the active rows only, on the same runner
     stops = {t: sum(t in lone[r][:20] for r in range(5)) for t in range(3, 96)}
     eos = max(stops, key=stops.get)
     kwargs_eos = dict(kwargs, eos_token_id=eos)
-    monkeypatch.setattr("hf_bpd.generation.batch_cache.SHRINK", 2)
+    computed, run = [], batched.ArtifactBatchedRunner.run
+
+    def counting(self, tokens, *args, **kw):
+        computed.append(tokens.shape[0])
+        return run(self, tokens, *args, **kw)
+
+    monkeypatch.setattr(batched.ArtifactBatchedRunner, "run", counting)
     out = model.generate(ids, attention_mask=mask, compile=True, **kwargs_eos)
     assert check_rows(model, prompts, out, width, kwargs_eos) == 0
-    assert min(rows for rows, _, _ in runners) < 5 and model.last_generation_stats.verifier == "artifact"
+    stopped = [row.new_tokens < 30 for row in model.last_generation_stats.rows]
+    assert any(stopped[:-1]) and not all(stopped)  # a row stops before another row after it (which moves up)
+    assert computed[0] == 5 and min(computed) < 5 and computed == sorted(computed, reverse=True)
+    assert model.last_generation_stats.verifier == "artifact" and len(runners) == 1
     # plain compiled batches (use_heads=False) on the artifact too
     out = model.generate(ids, attention_mask=mask, compile=True, use_heads=False, **kwargs)
     assert check_rows(model, prompts, out, width, kwargs) == 0

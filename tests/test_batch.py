@@ -234,7 +234,8 @@ def test_batched_bpd_with_a_plain_base_layout_model(tmp_path):
 # ------------------------------------------------------------------ the cost-aware width
 def test_the_width_follows_costs_and_acceptance():
     """`BatchWidth.choose`: flat costs take the widest block, costs growing with every token a plain step; rows that
-    accept everything make a wide block pay where rows that accept nothing do not; timings replace the table."""
+    accept everything make a wide block pay where rows that accept nothing do not; the width that finishes every row
+    soonest wins (rows leave as they finish); timings replace the table."""
     from hf_bpd.generation.batch_width import BatchWidth, shadow_accepted
 
     def width(costs, rows, max_width=5):  # after a call's first step, plain, timed as the table says
@@ -256,11 +257,20 @@ def test_the_width_follows_costs_and_acceptance():
             good.record(r, 4, 4)
             bad.record(r, 4, 0)
     assert good.choose(list(range(16))) == 5 and bad.choose(list(range(16))) == 1
-    # the batch goes at its laggards' pace: one row that accepts nothing, of those with the most left, rules it
+    # the batch goes at its slowest row's pace: one row that accepts nothing, with as much left as the others, rules
+    # it; with less left it finishes first anyway and the rest draft
+    lagging = width(sloped, 16)
     for _ in range(50):
-        good.record(15, 4, 0)
-    assert good.choose(list(range(16)), remaining=[10] * 16) == 1
-    assert good.choose(list(range(16)), remaining=[10] * 15 + [2]) == 5
+        for r in range(16):
+            lagging.record(r, 4, 4 if r < 15 else 0)
+    assert lagging.choose(list(range(16)), remaining=[10] * 16) == 1
+    assert lagging.choose(list(range(16)), remaining=[10] * 15 + [2]) == 5
+    # finished rows leave the step (dynamic rows) or ride along (a compiled shape): with 7 left to the row that
+    # accepts nothing, its last steps alone are cheap in the first case only
+    assert lagging.choose(list(range(16)), remaining=[10] * 15 + [7]) == 2
+    assert lagging.choose(list(range(16)), remaining=[10] * 15 + [7], computed=lambda active: 16) == 1
+    assert lagging.finish_ms([1.0] * 16, [10] * 16, 1) == pytest.approx(10 * 26.0)
+    good = lagging
     for _ in range(10):  # this call's own steps: plain ones as the table says, wide ones far slower
         good.timing(16, 26.0)
         good.timing(80, 10_000.0)

@@ -33,7 +33,7 @@ def reference_drafts(monkeypatch, model, prompts, width, kwargs, branching=None,
     branching = branching if branching is not None else {"on": False}
     original = batch_module._step_trees
 
-    def step_trees(model_, plan, active, policy, shadows, num_heads, generation_config, step_rows=None):
+    def step_trees(model_, plan, active, policy, shadows, num_heads, generation_config, computed=None):
         step = len(active[0].stats.accepted_lengths)
         drafts = []
         for row in active:
@@ -45,7 +45,7 @@ def reference_drafts(monkeypatch, model, prompts, width, kwargs, branching=None,
             drafts.append(truth[:num_heads])
         current["chains"], current["step"] = drafts, step
         current["by_drafter"] = {id(row.drafter): (row.index, chain) for row, chain in zip(active, drafts)}
-        return original(model_, plan, active, policy, shadows, num_heads, generation_config, step_rows)
+        return original(model_, plan, active, policy, shadows, num_heads, generation_config, computed)
 
     def row_drafts(drafter, hidden, context, max_length):  # a row's drafts in its node budget
         index, chain = current["by_drafter"][id(drafter)]

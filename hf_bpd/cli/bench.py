@@ -194,7 +194,7 @@ def add_parsers(sub, command) -> None:
                             "pbest-ngram+lookup[-nodes][-compiled], ar-compiled, and "
                             "bpd[+RESCORER][+lookup][-compiled][-cost|-switch] (ar always runs) "
                             f"(default: {','.join(BENCH_DEFAULT_METHODS)}); with --batch-size: "
-                            "ar, ar-compiled, bpd, bpd-compiled (default: all four)")
+                            "ar, ar-compiled, ar-artifact, bpd, bpd-compiled (default: all five)")
     bench.add_argument("--multi-turn", action="store_true",
                        help="run every MT-bench turn as a conversation (earlier answers: ar's), not only turn 1")
     bench.add_argument("--tree", default="4,2,2,1", metavar="WIDTHS",

@@ -5,10 +5,10 @@ decoding keeps them: they share one cache in which each row's tokens occupy some
 it kept fewer tokens than another row (`hf_bpd.generation.batch_cache`). Each row's positions count only its own
 tokens, so rotary embeddings see every row as if it were alone, and a step's 4D mask per row opens its valid slots
 and its tree's ancestors. The prompt pass runs eagerly over the left-padded batch. The steps run the eager base on a
-`DynamicCache` (finished rows leave it), or a compiled batched step on a static cache (`hf_bpd.runtime.batched`;
-finished rows ride along until the rest fit a smaller runner): with `compile=True` an fp32 base's artifact (built
-once per machine, nothing compiled in the call; eagerly while it is being built), with `compile="wait"` steps compiled
-per shape in the call, also for a bf16 / int8-weight base on hf_bpd's kernels (whose prompts then run one by one,
+`DynamicCache` (finished rows leave it), or a compiled batched step on a static cache (`hf_bpd.runtime.batched`):
+with `compile=True` an fp32 base's artifact (built once per machine, nothing compiled in the call; eagerly while it is
+being built; finished rows leave its steps at once), with `compile="wait"` steps compiled per shape in the call
+(finished rows ride along until the rest fit a smaller runner), also for a bf16 / int8-weight base on hf_bpd's kernels (whose prompts then run one by one,
 each as a lone call's compiled prompt pass).
 
 Drafts: the heads run once per step for every row (the int8 heads kernel's multi-row call, `_rows_head_top`), then
@@ -107,14 +107,14 @@ def _budgeted(drafter) -> bool:
 
 
 def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: dict, num_heads: int,
-                generation_config, step_rows: int | None = None) -> list[DraftTree]:
+                generation_config, computed=None) -> list[DraftTree]:
     """One step's draft trees at the width `policy` chooses: each row's drafts in `width - 1` nodes (its drafter's
     paths, rescored over the first `width - 1` heads, the depths the step verifies, and prompt lookup's copy
     best-first; a chain of the heads' argmax tokens for drafters that cannot take a budget), or no drafts (a plain
     step; shadow drafts, the heads' argmax chains, are kept for the rows when a probe is due). The heads run once for
     every row (`_rows_head_top`)."""
     left = [generation_config.max_length - row.sequence.shape[1] for row in active]  # the step's token included
-    width = policy.choose([row.index for row in active], left, step_rows)
+    width = policy.choose([row.index for row in active], left, computed)
     chains, drafting_ms, budgeted = None, None, _budgeted(plan.drafter)
     trees = [DraftTree([]) for _ in active]
     if width > 1 or (policy.max_width > 1 and policy.probe_due()):
@@ -269,7 +269,7 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
                     trees.append(DraftTree(drafts))
             else:
                 trees = _step_trees(model, plan, active, policy, shadows, num_heads, generation_config,
-                                     ragged.step_rows)
+                                     ragged.rows_computed)
             stats.draft_seconds += time.perf_counter() - start
             width = max(len(t) for t in trees) + 1
             tokens = torch.zeros(len(active), width, dtype=torch.long, device=device)

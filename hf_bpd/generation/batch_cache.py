@@ -13,9 +13,11 @@ each row's valid slots to the right (left padding).
   all `max_cache_len` slots and its attention reads the slots up to the block, so a hole costs one masked slot until
   the cache is full: it is compacted then. Nothing moves after a verification: the slots a row rejected stay where
   they are, as holes, and the cache grows to the last slot any row kept (moving 30 layers' kept entries cost ~1.5 ms
-  a step for 4 SmolLM2 rows). Finished rows stay in the step (masked, their results unread) until the rows left fit
-  a runner of a quarter as many rows (`SHRINK`; runners of 1, 4, 16, ... rows): they move there, so the shapes a
-  process compiles (each ~1 min for SmolLM2) stay few and are reused.
+  a step for 4 SmolLM2 rows). On the artifact's runner (dynamic rows) a finished row leaves at once: an active row
+  held past the active count moves into its cache row, and steps compute the first `active` rows only. On a runner
+  compiled per shape, finished rows stay in the step (masked, their results unread) until the rows left fit a runner
+  of a quarter as many rows (`SHRINK`; runners of 1, 4, 16, ... rows): they move there, so the shapes a process
+  compiles (each ~1 min for SmolLM2) stay few and are reused.
 """
 
 from __future__ import annotations
@@ -101,6 +103,11 @@ class RaggedCache:
         """The rows a step computes (here: the active rows)."""
         return self.valid.shape[0]
 
+    @staticmethod
+    def rows_computed(active: int) -> int:
+        """The rows a step will compute once `active` rows are left: those."""
+        return active
+
     def step_costs(self) -> dict[int, float]:
         """`{tokens: ms}` of steps known before the call's own (none for the eager base)."""
         return {}
@@ -159,6 +166,8 @@ class StaticRaggedCache:
         rows, length = valid.shape
         self.runner = runner
         self.rows = torch.arange(rows, device=valid.device)  # each active row's row in the static cache
+        self.dynamic = runner.dynamic_rows  # a step computes the active rows only (kept in the first cache rows)
+        self.computed = rows if self.dynamic else runner.rows  # the rows a step computes
         self.all_valid = torch.zeros(runner.rows, length, dtype=torch.bool, device=valid.device)
         self.all_valid[:rows] = valid
         if cache is not None:
@@ -202,8 +211,20 @@ class StaticRaggedCache:
 
     @property
     def step_rows(self) -> int:
-        """The rows a step computes: the runner's, finished rows included."""
-        return self.runner.rows
+        """The rows a step computes: the active ones on a dynamic-rows runner, else the runner's (finished rows
+        included)."""
+        return self.computed
+
+    def rows_computed(self, active: int) -> int:
+        """The rows a step will compute once `active` rows are left (see `select`)."""
+        if self.dynamic:
+            return active
+        size = self.runner.rows
+        if active <= size // SHRINK:
+            size = 1
+            while size < active:
+                size *= SHRINK
+        return size
 
     def step_costs(self) -> dict[int, float]:
         """`{tokens: ms}` of the runner's compiled steps, timed when they compiled."""
@@ -217,17 +238,19 @@ class StaticRaggedCache:
             raise RuntimeError(f"a block of {width} does not fit the batch's compiled cache")
 
     def forward(self, model, tokens, positions, masks) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """The compiled step over the block (finished rows ride along, masked): `(logits, hidden, compiled)` of the
+        """The compiled step over the block (over the active rows on a dynamic-rows runner, else every row of the
+        runner, finished ones masked): `(logits, hidden, compiled)` of the
         active rows; `compiled`: this call compiled the step's shape."""
         runner, rows, length = self.runner, self.rows, self.length
         width, device = tokens.shape[1], tokens.device
-        all_tokens = torch.zeros(runner.rows, width, dtype=tokens.dtype, device=device)
-        all_positions = torch.zeros(runner.rows, width, dtype=positions.dtype, device=device)
+        computed = self.computed if self.dynamic and width <= runner.max_block else runner.rows
+        all_tokens = torch.zeros(computed, width, dtype=tokens.dtype, device=device)
+        all_positions = torch.zeros(computed, width, dtype=positions.dtype, device=device)
         all_tokens[rows], all_positions[rows] = tokens, positions
         diagonal = length + torch.arange(width, device=device)
 
-        def pad(mask):  # (rows, 1, W, P + W) -> (runner rows, 1, W, max_cache_len); other rows see themselves
-            full = torch.full((runner.rows, 1, width, runner.max_cache_len), torch.finfo(mask.dtype).min,
+        def pad(mask):  # (rows, 1, W, P + W) -> (computed rows, 1, W, max_cache_len); other rows see themselves
+            full = torch.full((computed, 1, width, runner.max_cache_len), torch.finfo(mask.dtype).min,
                               dtype=mask.dtype, device=device)
             full[:, 0, torch.arange(width, device=device), diagonal] = 0.0
             full[rows, :, :, : length + width] = mask
@@ -240,6 +263,23 @@ class StaticRaggedCache:
             else:
                 logits, hidden, compiled = runner.run(all_tokens, all_positions, full_masks)
         return logits.index_select(0, rows), hidden.index_select(0, rows), compiled
+
+    def _gather_prefix(self, count: int) -> None:
+        """Move the active rows held past the first `count` cache rows into the finished rows' places there."""
+        cache_rows = self.rows.tolist()
+        holes = sorted(set(range(count)) - set(cache_rows))
+        movers = [i for i, row in enumerate(cache_rows) if row >= count]
+        length = self.length
+        with torch.no_grad():
+            for hole, i in zip(holes, movers):
+                source = cache_rows[i]
+                for layer in self.runner.layers:
+                    layer.keys[hole, :, :length].copy_(layer.keys[source, :, :length])
+                    layer.values[hole, :, :length].copy_(layer.values[source, :, :length])
+                self.all_valid[hole] = self.all_valid[source]
+                cache_rows[i] = hole
+        self.rows = torch.tensor(cache_rows, dtype=torch.long, device=self.all_valid.device)
+        self.computed = count
 
     def keep_tail(self, block: int, kept: list[list[int]]) -> None:
         """After a verification of `block` slots per row: keep active row r's block slots `kept[r]` where they are
@@ -272,11 +312,16 @@ class StaticRaggedCache:
         self.runner.set_length(width)
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only active rows `rows` (finished rows leave); moves to a runner of fewer rows when they fit one."""
+        """Keep only active rows `rows` (finished rows leave). On a dynamic-rows runner the active rows move into the
+        first cache rows (a row past them fills a finished row's place) and steps compute only those; else the batch
+        moves to a runner of fewer rows when they fit one."""
         from ..runtime.batched import batched_runner
 
         self.rows = self.rows.index_select(0, rows)
         count = len(self.rows)
+        if self.dynamic:
+            self._gather_prefix(count)
+            return
         if count == 0 or count > self.runner.rows // SHRINK:
             return
         size = 1

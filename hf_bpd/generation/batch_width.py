@@ -4,13 +4,16 @@ A batched step verifies a block of `W` tokens per row (the row's last token and 
 row padded to the same `W`), so it costs one base forward over `rows x W` tokens, `cost(rows * W)`. Row `r` is
 expected to gain `E_r(W) = 1 + sum_{j < W} prod_{d <= j} p_{r,d}` tokens from it, where `p_{r,d}` is its running
 rate of accepting its draft token at depth `d` once the ones before it were accepted. A batch runs until its slowest
-row is done, so what a step buys is the progress of the rows with the most left to decode (the "laggards": within
-`LAGGARDS` of the most tokens left), the least of their gains: each step takes the `W` with the most of it per
-millisecond, `min_laggards E_r(W) / (cost(rows * W) + drafting)`, a wider block only when it beats the best narrower
-one by `MARGIN`; `W = 1` is a plain step (nothing drafted, nothing padded). `drafting` is the running per-row time
-of this call's drafted steps' drafting times the rows (each row's drafter rescores its paths: at 16 rows this is
-~50 ms, most of a plain step), kept apart from the shadow probes' (one heads call for all rows, a few ms), which
-stand in only until a drafted step has run. On a CPU a forward's cost grows with its
+row is done, and a row that is done leaves the step (at once on the artifact's runner, whose rows are dynamic; on a
+runner compiled per shape once the rows left fit one of a quarter as many rows). So each step takes the `W` that,
+held from now on, finishes every row soonest (`finish_ms`): row `r` finishes after `left_r / E_r(W)` steps, and until
+then each step costs `cost(computed * W)` for the rows the step computes plus `drafting` for the active rows; a wider
+block only when it beats the best narrower one by `MARGIN`; `W = 1` is a plain step (nothing drafted, nothing
+padded). A row that accepts nothing sets the pace of a batch whose rows all have as much left (every drafted step
+then costs more for no sooner end); rows that accept much finish early and leave cheaper steps behind. `drafting` is
+the running per-row time of this call's drafted steps' drafting (each row's drafter rescores its paths: 0.5–3 ms a
+row, growing with the depths it rescores), kept apart from the shadow probes' (one heads call for all rows, ~0.25 ms
+a row), which stand in only until a drafted step has run. On a CPU a forward's cost grows with its
 tokens (SmolLM2, eager, AMD EPYC: ~110 ms for a batch of 16 one-token rows, ~160 for 16 two-token rows), so a batch of
 16 rows verifying 8 tokens each lost to plain batched decoding; the switch verifies the depths that pay, and none
 when none do.
@@ -44,11 +47,11 @@ START_RATE = 0.5  # the pooled rate before anything was verified
 PROBE_EVERY = 8  # plain steps between shadow drafts (4x as many while drafting is far from paying)
 HOPELESS = 0.85  # "far from paying": the best drafted width's tokens per ms under this share of a plain step's
 MARGIN = 0.05  # a wider block must beat the best narrower one by this share (estimates err; plain is safe)
-LAGGARDS = 0.8  # rows with at least this share of the most tokens left set the batch's pace
 TIMING_WEIGHT = 0.3  # weight of a step's own timing in the running cost of its token count (0: the table only)
 GUARD_STEPS = 4  # steps of each kind (plain, drafted) before their realized rates are compared
 GUARD_MARGIN = 0.25  # the margin a wider block must clear while drafted steps deliver less than plain ones
 REALIZED_DECAY = 0.9  # weight of the earlier steps in the realized rates
+FAR = 10_000  # the tokens left to rows whose remaining length is not given
 COST_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # forwards measured for the table (interpolated between)
 
 
@@ -151,33 +154,43 @@ class BatchWidth:
         call's drafted steps, or, before one has run, of its shadow probes (cheaper: a lower bound)."""
         return rows * (self.drafting_row_ms or self.probe_row_ms)
 
-    def choose(self, rows: list[int], remaining: list[int] | None = None, step_rows: int | None = None) -> int:
-        """The block width for a step of `rows` (1: a plain step); `remaining[i]` is how many tokens row `rows[i]` may
-        still decode (see `LAGGARDS`); `step_rows`: the rows the step computes when more than `rows` (a compiled
-        batch's finished rows ride along). A drafted width is charged what drafting the rows costs
-        (`drafting_cost`)."""
+    def finish_ms(self, gains: list[float], remaining: list[int], width: int, computed=None) -> float:
+        """ms to finish every row at blocks of `width` (see the module docstring): row `i` gains `gains[i]` tokens a
+        step of the `remaining[i]` it may still decode; rows leave as they finish, and a step costs the forward over
+        `computed(active rows)` rows (the rows a step computes while that many are active; default: the active ones)
+        times `width`, plus drafting the active rows when `width > 1`."""
+        computed = computed or (lambda active: active)
+        finish = sorted(left / gain for left, gain in zip(remaining, gains))
+        drafting_row = (self.drafting_row_ms or self.probe_row_ms) if width > 1 else 0.0
+        total, before = 0.0, 0.0
+        for k, steps in enumerate(finish):
+            active = len(finish) - k
+            total += (steps - before) * (self.cost(computed(active) * width) + drafting_row * active)
+            before = steps
+        return total
+
+    def choose(self, rows: list[int], remaining: list[int] | None = None, computed=None) -> int:
+        """The block width for a step of `rows` (1: a plain step): the one that finishes every row soonest
+        (`finish_ms`); `remaining[i]` is how many tokens row `rows[i]` may still decode; `computed(active)`: the rows a
+        step computes while `active` rows are left (a compiled batch's finished rows ride along until they fit a
+        smaller runner). A drafted width is charged what drafting the rows costs (`drafting_cost`)."""
         if self.steps_timed == 0:  # the table is one sequence's: a first plain step measures what a batch costs
             self.hopeless = False
             return 1
-        if remaining is None:
-            remaining = [1] * len(rows)
-        most = max(remaining)
-        laggards = [r for r, left in zip(rows, remaining) if left >= LAGGARDS * most]
-        computed = step_rows or len(rows)
-        cost_plain = self.cost(computed)
-        best, best_value, drafted = 1, 1.0 / cost_plain, 0.0
+        if remaining is None:  # far from done
+            remaining = [FAR] * len(rows)
+        plain = self.finish_ms([1.0] * len(rows), remaining, 1, computed)
+        best, best_ms, drafted = 1, plain, float("inf")
         pooled = self.pooled()
-        least = [min(column) for column in zip(*(self.gains(r, pooled) for r in laggards))]
+        gains = [self.gains(r, pooled) for r in rows]
         # drafted steps that delivered fewer tokens per ms than plain ones in this call: only a clear win drafts
         margin = GUARD_MARGIN if self.losing() else MARGIN
-        drafting = self.drafting_cost(len(rows))
         for w in range(2, self.max_width + 1):
-            gain = least[w - 1]
-            value = gain / (self.cost(computed * w) + drafting)
-            if value > best_value * (1 + margin):
-                best, best_value = w, value
-            drafted = max(drafted, value)
-        self.hopeless = drafted * cost_plain < HOPELESS  # no width came close: probe less often
+            ms = self.finish_ms([g[w - 1] for g in gains], remaining, w, computed)
+            if ms * (1 + margin) < best_ms:
+                best, best_ms = w, ms
+            drafted = min(drafted, ms)
+        self.hopeless = plain < HOPELESS * drafted  # no width came close: probe less often
         return best
 
     def delivered(self, width: int, tokens: float, ms: float) -> None:

@@ -97,6 +97,7 @@ class BatchedRunner:
 
     kind = "compiled"  # what `GenerationStats.verifier` reports (and the runner's key in `_RUNNERS`)
     artifact = None  # the prebuilt step an `ArtifactBatchedRunner` runs
+    dynamic_rows = False  # whether a step may compute fewer rows than the cache holds (its first ones)
 
     def __init__(self, base, rows: int, max_cache_len: int):
         self.base, self.rows, self.max_cache_len = base, rows, max_cache_len
@@ -181,9 +182,12 @@ class BatchedRunner:
 class ArtifactBatchedRunner(BatchedRunner):
     """A `BatchedRunner` whose step is the base's prebuilt artifact (`hf_bpd.runtime.artifacts`: dynamic rows, block
     length and context), loaded, never compiled: what `compile=True` verifies a batch with. Each step attends the
-    slots up to its block only; a block over the artifact's `MAX_BLOCK` runs the same step eagerly on the same cache."""
+    slots up to its block only and computes the cache's first rows, as many as it is given (the batch's active rows:
+    `hf_bpd.generation.batch_cache.StaticRaggedCache`); a block over the artifact's `MAX_BLOCK` runs the same step
+    eagerly on the same cache, every row."""
 
     kind = "artifact"
+    dynamic_rows = True  # blocks up to `max_block`: the artifact runs any number of the cache's first rows
 
     def __init__(self, base, rows: int, max_cache_len: int, artifact):
         from .artifacts import MAX_BLOCK
@@ -201,9 +205,10 @@ class ArtifactBatchedRunner(BatchedRunner):
                 logits, hidden = self.step(tokens, positions, slots, mask)
             return logits, hidden, False
         attended = mask[..., : past + width].contiguous()  # the slots in use and this block
+        rows = tokens.shape[0]  # the cache's first rows (a row-slice of a contiguous tensor is dense)
+        kv = self.kv if rows == self.rows else [t[:rows] for t in self.kv]
         # dense inputs: the artifact's code indexes rows by the strides it was built with
-        logits, hidden = self.artifact(tokens.contiguous(), positions.contiguous(), attended, torch.tensor(past),
-                                       self.kv)
+        logits, hidden = self.artifact(tokens.contiguous(), positions.contiguous(), attended, torch.tensor(past), kv)
         return logits, hidden, False
 
 
