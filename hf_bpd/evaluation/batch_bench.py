@@ -37,10 +37,11 @@ PLAIN_METHODS = ("ar", "ar-compiled", "ar-artifact")
 def batch_decoders(model, base, settings: dict, methods) -> dict:
     """Batched decoding by name: `ar` transformers' batched plain `generate()`; `ar-compiled` hf_bpd's compiled plain
     steps (`use_heads=False, compile="wait"`); `ar-artifact` hf_bpd's plain steps on the base's artifact
-    (`use_heads=False, compile=True`: what turning the heads off gives by default); `bpd` the default, `compile=True`: batched drafting verified on the
-    base's artifact (`hf_bpd.runtime.artifacts`, built here first when missing, outside every timed call), eagerly
-    where it cannot serve the base; `bpd-compiled` batched drafting on the compiled batched step (`compile="wait"`:
-    the shapes a batch meets compile in the call, and their time is taken out of the timing)."""
+    (`use_heads=False, compile=True`: what turning the heads off gives by default); `bpd` the default,
+    `compile=True`: batched drafting verified on the base's artifact (`hf_bpd.runtime.artifacts`, built here first
+    when missing, outside every timed call), eagerly where it cannot serve the base; `bpd-compiled` batched drafting
+    on the compiled batched step (`compile="wait"`: the shapes a batch meets compile in the call, and their time is
+    taken out of the timing)."""
     check_batch_methods(methods)
     if "bpd" in methods or "ar-artifact" in methods:
         _build_artifact(base)

@@ -8,8 +8,8 @@ and its tree's ancestors. The prompt pass runs eagerly over the left-padded batc
 `DynamicCache` (finished rows leave it), or a compiled batched step on a static cache (`hf_bpd.runtime.batched`):
 with `compile=True` an fp32 base's artifact (built once per machine, nothing compiled in the call; eagerly while it is
 being built; finished rows leave its steps at once), with `compile="wait"` steps compiled per shape in the call
-(finished rows ride along until the rest fit a smaller runner), also for a bf16 / int8-weight base on hf_bpd's kernels (whose prompts then run one by one,
-each as a lone call's compiled prompt pass).
+(finished rows ride along until the rest fit a smaller runner), also for a bf16 / int8-weight base on hf_bpd's
+kernels (whose prompts then run one by one, each as a lone call's compiled prompt pass).
 
 Drafts: the heads run once per step for every row (the int8 heads kernel's multi-row call, `_rows_head_top`), then
 each row drafts as the checkpoint's defaults say (its own rescorer state: rescored p-best paths and prompt lookup's

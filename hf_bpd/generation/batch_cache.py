@@ -59,6 +59,14 @@ def _compaction(valid: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]
     return order, torch.arange(width, device=valid.device)[None] >= (width - counts)[:, None]
 
 
+def _shrunk_rows(count: int) -> int:
+    """The rows of the runner `count` active rows move to: the next power of `SHRINK`."""
+    size = 1
+    while size < count:
+        size *= SHRINK
+    return size
+
+
 def _copy_rows(runner, layers, count: int, length: int, rows: torch.Tensor | None = None) -> None:
     """Copy the first `length` slots of `layers`' rows `rows` (all when None) into the first `count` rows of
     `runner`'s static cache."""
@@ -219,12 +227,9 @@ class StaticRaggedCache:
         """The rows a step will compute once `active` rows are left (see `select`)."""
         if self.dynamic:
             return active
-        size = self.runner.rows
-        if active <= size // SHRINK:
-            size = 1
-            while size < active:
-                size *= SHRINK
-        return size
+        if active > self.runner.rows // SHRINK:
+            return self.runner.rows
+        return _shrunk_rows(active)
 
     def step_costs(self) -> dict[int, float]:
         """`{tokens: ms}` of the runner's compiled steps, timed when they compiled."""
@@ -324,9 +329,7 @@ class StaticRaggedCache:
             return
         if count == 0 or count > self.runner.rows // SHRINK:
             return
-        size = 1
-        while size < count:  # the next power of SHRINK
-            size *= SHRINK
+        size = _shrunk_rows(count)
         smaller = batched_runner(self.runner.base, size, self.runner.max_cache_len, self.runner.artifact)
         if smaller is None or smaller is self.runner:
             return
