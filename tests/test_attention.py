@@ -92,7 +92,8 @@ def test_one_token_under_compile_reads_the_grouped_heads_like_the_repeated_ones(
 @pytest.mark.parametrize("rows, q", [(3, 1), (3, 2), (2, 5)])
 def test_batched_attention_reads_the_used_slots_only(rows, q):
     """A batch step's attention (`batched_attention_forward`): over the slots up to the block (`cache_position`),
-    as two GEMMs and a softmax for several query tokens per row, PyTorch's kernel for one; the same numbers as
+    as two GEMMs and a softmax for several query tokens per row, PyTorch's kernel for one (a key/value head's
+    query heads stacked as its queries: a wrong head order fails here); the same numbers as
     PyTorch's kernel over every slot, up to rounding; whatever the slots past the block hold, nothing changes; and
     it traces into one graph (`hf_bpd::used_slots_attention`, opaque to the compiler)."""
     module = tiny_base("llama").model.layers[0].self_attn

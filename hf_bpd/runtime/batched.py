@@ -14,9 +14,9 @@ batches of 16 decode at 247 tok/s compiled (191 reading every slot) against 119 
 the graphs are kept for every later call of the process. `compile=True` (which never blocks for minutes) verifies
 fp32 batches on the base's artifact instead (`ArtifactBatchedRunner`, `hf_bpd.runtime.artifacts`: the same step,
 exported once per machine with dynamic rows, block length and context, loaded in seconds; eagerly while it is being
-built in the background): no shape compiles in any call, for a step a few per cent slower at 16 rows (SmolLM2, Intel
-Xeon, 300 slots in use: 59-63 ms for 16 rows x 1 token against 56-60 for that compiled shape,
-docs/performance.md#batches).
+built in the background): no shape compiles in any call, for a step 5-10 % slower at 16 rows (SmolLM2, Intel Xeon,
+300 slots in use, same hour: 56.8-58.8 ms for 16 rows x 1 token against 53.1 for that compiled shape, whose one-token
+attention stacks each key/value head's query heads; docs/performance.md#batches).
 Each compiled graph holds its own packed copy of the weights (inductor's freezing), so a base's batched shapes share
 `MAX_GRAPH_BYTES` of them; once that is spent, a new shape runs the same step eagerly on the same cache.
 
