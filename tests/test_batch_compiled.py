@@ -98,10 +98,15 @@ def test_compiled_batch_rows_equal_their_lone_output(monkeypatch):
     eos = max(stops, key=stops.get)
     kwargs_eos = dict(kwargs, eos_token_id=eos)
     monkeypatch.setattr("hf_bpd.generation.batch_cache.SHRINK", 2)  # runners of 6, then 4 (powers of 2) rows
+    charged, select = [], StaticRaggedCache.select
+    monkeypatch.setattr(StaticRaggedCache, "select",
+                        lambda self, rows: (select(self, rows), charged.append((self.step_rows, self.runner.rows))))
     out = model.generate(ids, attention_mask=mask, compile="wait", **kwargs_eos)
     assert check_rows(model, prompts, out, width, kwargs_eos) == 0
     assert stops[eos] >= 3  # at most 3 rows left: they fit 4 rows
     assert {rows for rows, _, _ in batched._RUNNERS[model.base_lm]} >= {6, 4}
+    # the width choice is told the rows each step computes: the runner's, also after the move to a smaller one
+    assert (4, 4) in charged and all(step == runner for step, runner in charged)
 
 
 @pytest.mark.skipif(kernels_unsupported_reason() is not None, reason="hf_bpd's bf16 kernels need AVX512-BF16")

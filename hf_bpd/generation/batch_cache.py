@@ -59,14 +59,6 @@ def _compaction(valid: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]
     return order, torch.arange(width, device=valid.device)[None] >= (width - counts)[:, None]
 
 
-def _shrunk_rows(count: int) -> int:
-    """The rows of the runner `count` active rows move to: the next power of `SHRINK`."""
-    size = 1
-    while size < count:
-        size *= SHRINK
-    return size
-
-
 def _copy_rows(runner, layers, count: int, length: int, rows: torch.Tensor | None = None) -> None:
     """Copy the first `length` slots of `layers`' rows `rows` (all when None) into the first `count` rows of
     `runner`'s static cache."""
@@ -175,7 +167,6 @@ class StaticRaggedCache:
         self.runner = runner
         self.rows = torch.arange(rows, device=valid.device)  # each active row's row in the static cache
         self.dynamic = runner.dynamic_rows  # a step computes the active rows only (kept in the first cache rows)
-        self.computed = rows if self.dynamic else runner.rows  # the rows a step computes
         self.all_valid = torch.zeros(runner.rows, length, dtype=torch.bool, device=valid.device)
         self.all_valid[:rows] = valid
         if cache is not None:
@@ -219,17 +210,23 @@ class StaticRaggedCache:
 
     @property
     def step_rows(self) -> int:
-        """The rows a step computes: the active ones on a dynamic-rows runner, else the runner's (finished rows
-        included)."""
-        return self.computed
+        """The rows a step computes: the active ones on a dynamic-rows runner (the first cache rows), else the
+        runner's (finished rows included)."""
+        return len(self.rows) if self.dynamic else self.runner.rows
 
     def rows_computed(self, active: int) -> int:
         """The rows a step will compute once `active` rows are left (see `select`)."""
-        if self.dynamic:
-            return active
-        if active > self.runner.rows // SHRINK:
+        return active if self.dynamic else self._runner_rows(active)
+
+    def _runner_rows(self, count: int) -> int:
+        """The rows of the runner `count` active rows step on: this runner's until they fit one of a quarter as many
+        (`SHRINK`), then the next power of `SHRINK`."""
+        if count > self.runner.rows // SHRINK:
             return self.runner.rows
-        return _shrunk_rows(active)
+        size = 1
+        while size < count:
+            size *= SHRINK
+        return size
 
     def step_costs(self) -> dict[int, float]:
         """`{tokens: ms}` of the runner's compiled steps, timed when they compiled."""
@@ -248,7 +245,7 @@ class StaticRaggedCache:
         active rows; `compiled`: this call compiled the step's shape."""
         runner, rows, length = self.runner, self.rows, self.length
         width, device = tokens.shape[1], tokens.device
-        computed = self.computed if self.dynamic and width <= runner.max_block else runner.rows
+        computed = self.step_rows if not self.dynamic or width <= runner.max_block else runner.rows
         all_tokens = torch.zeros(computed, width, dtype=tokens.dtype, device=device)
         all_positions = torch.zeros(computed, width, dtype=positions.dtype, device=device)
         all_tokens[rows], all_positions[rows] = tokens, positions
@@ -284,7 +281,6 @@ class StaticRaggedCache:
                 self.all_valid[hole] = self.all_valid[source]
                 cache_rows[i] = hole
         self.rows = torch.tensor(cache_rows, dtype=torch.long, device=self.all_valid.device)
-        self.computed = count
 
     def keep_tail(self, block: int, kept: list[list[int]]) -> None:
         """After a verification of `block` slots per row: keep active row r's block slots `kept[r]` where they are
@@ -327,9 +323,9 @@ class StaticRaggedCache:
         if self.dynamic:
             self._gather_prefix(count)
             return
-        if count == 0 or count > self.runner.rows // SHRINK:
+        size = self._runner_rows(count)
+        if count == 0 or size == self.runner.rows:
             return
-        size = _shrunk_rows(count)
         smaller = batched_runner(self.runner.base, size, self.runner.max_cache_len, self.runner.artifact)
         if smaller is None or smaller is self.runner:
             return

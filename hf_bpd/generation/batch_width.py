@@ -161,11 +161,11 @@ class BatchWidth:
         times `width`, plus drafting the active rows when `width > 1`."""
         computed = computed or (lambda active: active)
         finish = sorted(left / gain for left, gain in zip(remaining, gains))
-        drafting_row = (self.drafting_row_ms or self.probe_row_ms) if width > 1 else 0.0
         total, before = 0.0, 0.0
         for k, steps in enumerate(finish):
             active = len(finish) - k
-            total += (steps - before) * (self.cost(computed(active) * width) + drafting_row * active)
+            drafting = self.drafting_cost(active) if width > 1 else 0.0
+            total += (steps - before) * (self.cost(computed(active) * width) + drafting)
             before = steps
         return total
 
