@@ -1,6 +1,7 @@
 """Compiled steps that outlive the process (`hf_bpd.runtime.artifacts`, `hf-bpd compile`): built once (one AOTInductor
 build of a tiny base, ~1 min, shared by the module), loaded by a new process, exact, keyed, checked and locked."""
 
+import copy
 import fcntl
 import json
 import subprocess
@@ -30,7 +31,8 @@ def tiny_base(seed: int = 0):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """`(cache directory, base, package path)`: one artifact, built with 1 thread into a fresh $HF_BPD_CACHE."""
+    """`(cache directory, base, package path)`: one artifact (the step and the one-token batch step), built with 1
+    thread into a fresh $HF_BPD_CACHE."""
     cache = tmp_path_factory.mktemp("hf_bpd_cache")
     patch = pytest.MonkeyPatch()
     patch.setenv("HF_BPD_CACHE", str(cache))
@@ -38,6 +40,7 @@ def built(tmp_path_factory):
     torch.set_num_threads(1)
     base = tiny_base()
     path = artifacts.build(base)
+    artifacts.build(base, graph=artifacts.ONE_TOKEN)
     yield cache, base, path
     torch.set_num_threads(threads)
     patch.undo()
@@ -186,6 +189,26 @@ def test_compile_command_lists_and_clears(built, capsys):
     assert "needs a model" in capsys.readouterr().err
 
 
+def test_compile_command_builds_the_step_and_the_one_token_batch_step(built, tmp_path, capsys):
+    """`hf-bpd compile MODEL --no-batch-step` builds the step only; without the flag the one-token batch step is built
+    beside it (the step found built) and batches are said to run on it; `--list` names each graph."""
+    from hf_bpd.cli import main
+
+    _, base, _ = built
+    copy.deepcopy(base).save_pretrained(tmp_path / "tiny")  # a copy: saving sets fields of the config
+    assert main(["compile", str(tmp_path / "tiny"), "--threads", "1", "--no-batch-step"]) == 0
+    out = capsys.readouterr()
+    assert "one-token batch step" not in out.out + out.err
+    assert main(["compile", str(tmp_path / "tiny"), "--threads", "1"]) == 0
+    out = capsys.readouterr()
+    assert "one-token batch step" in out.out and "building the compiled step" not in out.err  # found built
+    assert artifacts.listing() and all(record.get("graph") in (artifacts.STEP, artifacts.ONE_TOKEN)
+                                       for record in artifacts.listing())
+    assert main(["compile", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert ": step, " in listed and ": one_token, " in listed
+
+
 def test_generate_uses_a_built_artifact_in_this_process(built):
     _, base, _ = built
     model = BlockwiseParallelForCausalLM.from_base(base, num_heads=2).eval()
@@ -238,6 +261,40 @@ def test_one_artifact_serves_batches_each_row_on_its_own_positions_and_mask(buil
         assert torch.allclose(new, old, atol=1e-5)
 
 
+def test_the_one_token_batch_step_equals_the_eager_step_row_by_row(built):
+    """The one-token batch step (one token per row, stacked query heads; any number of rows) computes what the eager
+    step computes for each row, with its own position and mask, and writes each row's key/value where it wrote."""
+    _, base, path = built
+    directory = path.parent
+    one_token = artifacts.Artifact(artifacts.graph_files(directory, artifacts.ONE_TOKEN)[0])
+    closed = torch.finfo(torch.float32).min
+    for rows, past, capacity in ((3, 20, 64), (1, 5, 64), (17, 300, 512)):
+        g = torch.Generator().manual_seed(rows + past)
+        kv = [torch.randn(rows, 2, capacity, 8, generator=g) for _ in range(4)]
+        mask = torch.zeros(rows, 1, 1, past + 1)
+        mask[1 % rows, :, :, :5] = closed  # holes in some rows' pasts
+        mask[rows - 1, :, :, 3:past // 2] = closed
+        ids = torch.randint(0, 96, (rows, 1), generator=g)
+        positions = (past - torch.arange(rows) % 4)[:, None]
+        eager_kv = [t.clone() for t in kv]
+        logits, hidden = one_token(ids, positions, mask, torch.tensor(past), kv)
+        cache, _ = artifacts._example(base, capacity=capacity, rows=rows)
+        full = torch.full((rows, 1, 1, capacity), closed)
+        full[..., :past + 1] = mask
+        with torch.no_grad():
+            eager_logits, eager_hidden = artifacts._Step(base, cache)(ids, positions, full, torch.tensor(past),
+                                                                      eager_kv)
+        assert logits.shape == (rows, 1, 96) and torch.allclose(logits, eager_logits, atol=1e-4)
+        assert torch.allclose(hidden, eager_hidden, atol=1e-4)
+        for new, old in zip(kv, eager_kv):
+            assert torch.allclose(new, old, atol=1e-5)
+    record = json.loads(artifacts.graph_files(directory, artifacts.ONE_TOKEN)[1].read_text())
+    assert record["graph"] == artifacts.ONE_TOKEN and record["weights"] == artifacts.cached_key(base)["weights"]
+    assert artifacts.valid(directory, artifacts.cached_key(base), artifacts.ONE_TOKEN)
+    with pytest.raises(ValueError, match="graphs are step, one_token"):
+        artifacts.graph_files(directory, "two_tokens")
+
+
 def test_compile_true_verifies_batches_on_the_artifact_row_exact(built, monkeypatch):
     """`generate(compile=True)` on a batch runs the artifact's batched runner (nothing compiled in the call): with
     forced drafts that rows accept to different depths, every row equals its prompt's lone greedy output, and rows
@@ -253,8 +310,13 @@ def test_compile_true_verifies_batches_on_the_artifact_row_exact(built, monkeypa
     ids, mask = left_padded(prompts)
     width = ids.shape[1]
     lone = reference_drafts(monkeypatch, model, prompts, width, kwargs)
+    ran, call = [], artifacts.Artifact.__call__
+    monkeypatch.setattr(artifacts.Artifact, "__call__",
+                        lambda self, *args: ran.append((self.path.name, args[0].shape[1])) or call(self, *args))
     out = model.generate(ids, attention_mask=mask, compile=True, **kwargs)
     assert check_rows(model, prompts, out, width, kwargs) == 0
+    one_token = artifacts.graph_files(built[2].parent, artifacts.ONE_TOKEN)[0].name
+    assert {(name, w > 1) for name, w in ran} == {(one_token, False), (artifacts.PACKAGE, True)}
     stats = model.last_generation_stats
     assert stats.verifier == "artifact" and stats.compile_seconds == 0.0
     per_step = list(zip(*[row.accepted_lengths[2:] for row in stats.rows]))

@@ -75,6 +75,39 @@ def test_calls_never_wait_and_switch_to_the_artifact_once_built(cache, caplog):
     assert stats.verifier == "artifact" and stats.verifier_steps == {"eager": stats.serial_calls - 1}
 
 
+def test_a_batch_starts_the_one_token_batch_step_and_its_one_token_steps_run_on_it_once_built(cache, caplog,
+                                                                                             monkeypatch):
+    """The first batch on the artifact starts the one-token batch step's build in the background (its one-token steps
+    run on the step meanwhile); once built, the batch's one-token steps run on it, every row its own greedy output."""
+    from tests.test_batch import PAD, check_rows, left_padded, random_prompts
+
+    base, model = drafted(seed=9)
+    artifacts.build(base)  # the step, in the foreground
+    prompts = random_prompts(4, seed=9, longest=12)
+    kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    ids, mask = left_padded(prompts)
+    ran, call = [], artifacts.Artifact.__call__
+    monkeypatch.setattr(artifacts.Artifact, "__call__",
+                        lambda self, *args: ran.append((self.path.name, args[0].shape)) or call(self, *args))
+    with caplog.at_level(logging.WARNING, logger="hf_bpd"):
+        out = model.generate(ids, attention_mask=mask, compile=True, **kwargs)
+    assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
+    assert model.last_generation_stats.verifier == "artifact"
+    assert {name for name, _ in ran} == {artifacts.PACKAGE}
+    lines = background_lines(caplog)
+    assert len(lines) == 1 and "one-token batch step" in lines[0] and "in the background" in lines[0]
+    directory = artifacts.key_dir(artifacts.cached_key(base))
+    assert background.wait(directory, timeout=600)
+    assert background._WORKERS[directory].returncode == 0, (directory / "build.log").read_text()[-2000:]
+
+    ran.clear()
+    out = model.generate(ids, attention_mask=mask, compile=True, **kwargs)
+    assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
+    one_token = [shape for name, shape in ran if name == artifacts.graph_files(directory, artifacts.ONE_TOKEN)[0].name]
+    assert one_token and all(shape[1] == 1 for shape in one_token)
+    assert all(shape[1] > 1 for name, shape in ran if name == artifacts.PACKAGE)  # blocks: on the step
+
+
 def test_a_failed_build_is_reported_once_and_not_started_again(cache, caplog):
     base, model = drafted(seed=6)
     directory = artifacts.key_dir(artifacts.cached_key(base))
@@ -99,7 +132,8 @@ def test_the_worker_refuses_weights_that_are_not_the_keys(cache):
     weights = directory / "base-test"
     weights.mkdir(parents=True)
     tiny_base(seed=8).save_pretrained(weights)
-    (directory / background.REQUEST).write_text(json.dumps({**key, "weights_dir": weights.name}))
+    request = directory / background.REQUEST.format(graph=artifacts.STEP)
+    request.write_text(json.dumps({**key, "weights_dir": weights.name}))
     assert build_worker.main(directory) == 1
     assert "not the one the key names" in (directory / artifacts.FAILED).read_text()
     assert not weights.exists() and not (directory / artifacts.PACKAGE).exists()

@@ -11,6 +11,7 @@ from .common import _add_dtype, _locate, _positive, load_model
 
 def cmd_compile(args) -> int:
     from ..runtime import artifacts
+    from ..runtime.batched import batched_artifact_unsupported_reason
 
     if args.clear:
         print(f"removed {artifacts.clear()} artifact(s) from {artifacts.artifacts_dir()}")
@@ -21,11 +22,11 @@ def cmd_compile(args) -> int:
             print(f"no artifacts in {artifacts.artifacts_dir()}")
         for record in found:
             if record.get("broken"):
-                print(f"{record['path']}: unreadable key.json (rebuilt on next use)")
+                print(f"{record['path']}: an unreadable record (rebuilt on next use)")
                 continue
-            print(f"{record['path']}: {record['dtype']}, {record['cpu']}, {record['threads']} threads, torch "
-                  f"{record['torch']}, weights {record['weights']}, {record['bytes'] / 1e6:.0f} MB, built in "
-                  f"{record['build_seconds']:.0f} s")
+            print(f"{record['path']}: {record['graph']}, {record['dtype']}, {record['cpu']}, {record['threads']} "
+                  f"threads, torch {record['torch']}, weights {record['weights']}, {record['bytes'] / 1e6:.0f} MB, "
+                  f"built in {record['build_seconds']:.0f} s")
         return 0
     if args.model is None:
         raise ValueError("hf-bpd compile needs a model: hf-bpd compile CHECKPOINT (or --list / --clear)")
@@ -41,10 +42,16 @@ def cmd_compile(args) -> int:
     if reason is not None:
         raise ValueError(f"cannot build an artifact for {args.model}: {reason}")
     largest = _largest_block(model, args)
-    path = artifacts.build(base, args.threads, log=lambda m: print(f"hf-bpd: {m}", file=sys.stderr))
+    log = lambda m: print(f"hf-bpd: {m}", file=sys.stderr)  # noqa: E731
+    path = artifacts.build(base, args.threads, log=log)
+    graphs = [artifacts.STEP]
+    if not args.no_batch_step and batched_artifact_unsupported_reason(base, 2) is None:
+        graphs.append(artifacts.ONE_TOKEN)
+        artifacts.build(base, args.threads, log=log, graph=artifacts.ONE_TOKEN)
     print(f"{path} ready ({time.perf_counter() - start:.0f} s); generate(compile=True) with {args.threads} threads "
           f"loads it; it serves blocks of 1 to {artifacts.MAX_BLOCK} tokens, every context length and batches of up "
-          f"to {artifacts.MAX_ROWS} rows")
+          f"to {artifacts.MAX_ROWS} rows" + (" (their one-token steps on the one-token batch step)"
+                                            if artifacts.ONE_TOKEN in graphs else ""))
     if largest > artifacts.MAX_BLOCK:
         print(f"hf-bpd: the drafting shape asked for verifies blocks of {largest} tokens, over {artifacts.MAX_BLOCK}: "
               "those steps run eagerly (compile='wait': with torch.compile in each process); use at most "
@@ -75,13 +82,17 @@ def add_parsers(sub, command) -> None:
         "Exports the base's verification step and compiles it ahead of time (AOTInductor) into "
         "$HF_BPD_CACHE/artifacts/: one artifact serves every block length up to 16 and every context length. "
         "Valid for this CPU, thread count, dtype, weights and torch version; generate(compile=True) loads it in "
-        "seconds instead of compiling. --list shows the cache, --clear empties it.")
+        "seconds instead of compiling; batches' one-token steps get a graph of their own beside it (the one-token "
+        "batch step; --no-batch-step: built only when a batch first needs it). --list shows the cache, --clear "
+        "empties it.")
     p.add_argument("model", nargs="?", default=None, help="heads checkpoint directory or base model")
     p.add_argument("--threads", type=int, default=2, help="torch threads the artifact is built for (baked in)")
     _add_dtype(p)
     p.add_argument("--tree", default=None, help="a tree shape you will draft with (widths per head, e.g. 4,2,2,1): "
                    "says whether the artifact serves its blocks")
     p.add_argument("--draft-nodes", type=int, default=None, help="a draft-node budget you will draft with (the same)")
+    p.add_argument("--no-batch-step", action="store_true",
+                   help="build the step only, not the one-token batch step (a batch builds it in the background)")
     p.add_argument("--list", action="store_true", help="list the built artifacts")
     p.add_argument("--clear", action="store_true", help="remove every built artifact")
     p.set_defaults(func=cmd_compile)

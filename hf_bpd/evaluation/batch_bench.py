@@ -54,13 +54,14 @@ def batch_decoders(model, base, settings: dict, methods) -> dict:
 
 
 def _build_artifact(base) -> None:
-    """Build (when missing) and load `base`'s artifact when it can verify its batches (what `compile=True` would
-    otherwise start in the background)."""
+    """Build (when missing) and load `base`'s artifact and its one-token batch step when it can verify its batches
+    (what `compile=True` would otherwise start in the background)."""
     from ..runtime import artifacts
     from ..runtime.batched import batched_artifact_unsupported_reason
 
     if batched_artifact_unsupported_reason(base, 1) is None:
         artifacts.ensure(base)
+        artifacts.ensure(base, graph=artifacts.ONE_TOKEN)
 
 
 def check_batch_methods(methods) -> None:

@@ -153,8 +153,9 @@ def _compiled_runner(base, rows: int, needed_length: int, wait: bool):
     """A compiled batched runner of `base` for `rows` rows holding `needed_length` tokens (`hf_bpd.runtime.batched`),
     or None (with a one-line warning) when batches of this base cannot run compiled. `compile=True` (not `wait`):
     the base's artifact's runner (`ArtifactBatchedRunner`), or None, silently, while the artifact is being built in
-    the background (`hf_bpd.runtime.background`; bases it cannot serve say why)."""
-    from ..runtime import background
+    the background (`hf_bpd.runtime.background`; bases it cannot serve say why); its one-token steps run the
+    artifact's one-token batch step once that is built (its build starts with the first such batch)."""
+    from ..runtime import artifacts, background
     from ..runtime.batched import batched_artifact_unsupported_reason, batched_runner, batched_unsupported_reason
 
     reason, artifact = batched_unsupported_reason(base), None
@@ -167,6 +168,8 @@ def _compiled_runner(base, rows: int, needed_length: int, wait: bool):
             if artifact is None:  # being built in the background
                 return None
     runner = batched_runner(base, rows, needed_length, artifact) if reason is None else None
+    if runner is not None and artifact is not None:
+        runner.one_token = background.ready_artifact(base, artifacts.ONE_TOKEN) if rows > 1 else None
     if reason is None and runner is None:
         reason = f"a static cache of {rows} rows x {needed_length} tokens would be too large"
     if runner is None:

@@ -8,8 +8,9 @@ to the artifact when it is there. The worker:
   so it builds for the base as it is in the caller's process, whatever it was loaded from; the key's weight
   fingerprint and dtype are checked again in the worker;
 * builds the int8 heads kernel (`hf_bpd.runtime.int8_heads`, ~2 s), then the artifact (~2 min for SmolLM2 on 2
-  cores), with the caller's thread count (baked into the GEMM code), at idle CPU priority (`SCHED_IDLE` on Linux,
-  else `nice` 19): it takes only the CPU time the caller leaves;
+  cores; the one-token batch step, asked for by the first batch, another ~2-3 min), with the caller's thread count
+  (baked into the GEMM code), at idle CPU priority (`SCHED_IDLE` on Linux, else `nice` 19): it takes only the CPU
+  time the caller leaves;
 * outlives the caller (its own process group): a short script's process may end; the build finishes and the next
   process loads the artifact;
 * logs to `build.log` in the artifact's folder; a failed build leaves `build.failed` (its error), and no later call
@@ -42,7 +43,7 @@ from . import artifacts
 
 logger = logging.getLogger("hf_bpd")
 WEIGHTS = "base"  # the copy of the base's weights the worker loads, in the artifact's folder
-REQUEST = "request.json"  # the key the worker builds under
+REQUEST = "request-{graph}.json"  # the key the worker builds a graph under
 _WORKERS: dict[Path, object] = {}  # artifact folder -> the thread (saving the weights) or worker process started here
 _TOLD: set[Path] = set()  # folders whose build this process has announced (one line each)
 _LOCK = threading.Lock()
@@ -74,40 +75,48 @@ def building(directory: Path) -> bool:
     return directory.is_dir() and _lock_held(directory)
 
 
-def ready_artifact(base):
-    """`base`'s artifact if it is loaded or built by now, else None, after starting its build in the background
-    unless one is under way or the last one failed."""
-    artifact = artifacts.load(base)
+def ready_artifact(base, graph: str = artifacts.STEP):
+    """`graph` of `base`'s artifact (`artifacts.STEP`, or `artifacts.ONE_TOKEN`: the one-token batch step) if it is
+    loaded or built by now, else None, after starting its build in the background unless one is under way in its
+    folder or its last one failed."""
+    artifact = artifacts.load(base, graph=graph)
     if artifact is not None or artifacts.unsupported_reason(base) is not None:
         return artifact
     key = artifacts.cached_key(base)
     directory = artifacts.key_dir(key)
+    _, record, failed = artifacts.graph_files(directory, graph)
+    told = (directory, graph)
     with _LOCK:
         if building(directory):
             return None
-        if (directory / "key.json").exists():  # built since this process last looked (here or elsewhere)
-            artifact = artifacts.load(base, again=True)
+        if record.exists():  # built since this process last looked (here or elsewhere)
+            artifact = artifacts.load(base, again=True, graph=graph)
             if artifact is not None:
                 return artifact
-        if (directory / artifacts.FAILED).exists():
-            if directory not in _TOLD:
-                _TOLD.add(directory)
-                error = (directory / artifacts.FAILED).read_text().strip().splitlines()[-1:] or ["?"]
-                logger.warning("hf_bpd: the compiled step's background build failed (%s); decoding eagerly. "
-                               "`hf-bpd compile CHECKPOINT` builds it in the foreground", error[0][:200])
+        if failed.exists():
+            if told not in _TOLD:
+                _TOLD.add(told)
+                error = failed.read_text().strip().splitlines()[-1:] or ["?"]
+                logger.warning("hf_bpd: the background build of %s failed (%s); %s. `hf-bpd compile CHECKPOINT` "
+                               "builds it in the foreground", _WHAT[graph], error[0][:200], _MEANWHILE[graph])
             return None
-        start_build(base, key, directory)
+        start_build(base, key, directory, graph)
     return None
 
 
-def start_build(base, key: dict, directory: Path) -> None:
+_WHAT = {artifacts.STEP: "the compiled step", artifacts.ONE_TOKEN: "the compiled one-token batch step"}
+_MEANWHILE = {artifacts.STEP: "decoding eagerly",
+              artifacts.ONE_TOKEN: "batches run their one-token steps on the compiled step"}
+
+
+def start_build(base, key: dict, directory: Path, graph: str = artifacts.STEP) -> None:
     """Save `base`'s weights for the worker and start it, both off the calling thread (saving SmolLM2 takes ~1 s)."""
     directory.mkdir(parents=True, exist_ok=True)
-    if directory not in _TOLD:
-        _TOLD.add(directory)
-        logger.warning("hf_bpd: building the compiled step for this machine in the background (%s, %d threads; "
-                       "log: %s); decoding eagerly until it is ready", key["cpu"], key["threads"],
-                       directory / "build.log")
+    if (directory, graph) not in _TOLD:
+        _TOLD.add((directory, graph))
+        logger.warning("hf_bpd: building %s for this machine in the background (%s, %d threads; log: %s); %s until "
+                       "it is ready", _WHAT[graph], key["cpu"], key["threads"], directory / "build.log",
+                       _MEANWHILE[graph])
 
     def save_and_start():
         try:
@@ -117,18 +126,20 @@ def start_build(base, key: dict, directory: Path) -> None:
             # not `base.save_pretrained`: it would set fields of the caller's config (and print a progress bar)
             copy.deepcopy(base.config).save_pretrained(weights)
             save_model(base, str(weights / "model.safetensors"))  # tied tensors once
-            (directory / REQUEST).write_text(json.dumps({**key, "weights_dir": weights.name}, indent=1))
+            request = directory / REQUEST.format(graph=graph)
+            request.write_text(json.dumps({**key, "weights_dir": weights.name}, indent=1))
             # Its own process group (Ctrl-C in a terminal reaches the caller only), but the caller's session: with
             # Linux's autogroup scheduling a new session would get an equal share of the CPU whatever its priority
             # (measured: the first eager call ran 5x slower beside a worker in its own session).
             group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
             with open(directory / "build.log", "ab") as log:
                 _WORKERS[directory] = subprocess.Popen(
-                    [sys.executable, "-m", "hf_bpd.runtime.build_worker", str(directory)], stdin=subprocess.DEVNULL,
-                    stdout=log, stderr=subprocess.STDOUT, **group,
+                    [sys.executable, "-m", "hf_bpd.runtime.build_worker", str(directory), graph],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, **group,
                     env={**os.environ, "OMP_NUM_THREADS": str(key["threads"]), "TORCHINDUCTOR_COMPILE_THREADS": "1"})
         except Exception as error:  # noqa: BLE001 - the caller decodes eagerly whatever happens here
-            (directory / artifacts.FAILED).write_text(f"starting the build: {type(error).__name__}: {error}\n")
+            failed = artifacts.graph_files(directory, graph)[2]
+            failed.write_text(f"starting the build: {type(error).__name__}: {error}\n")
 
     thread = threading.Thread(target=save_and_start, name="hf_bpd-artifact-save", daemon=True)
     _WORKERS[directory] = thread

@@ -14,9 +14,10 @@ batches of 16 decode at 247 tok/s compiled (191 reading every slot) against 119 
 the graphs are kept for every later call of the process. `compile=True` (which never blocks for minutes) verifies
 fp32 batches on the base's artifact instead (`ArtifactBatchedRunner`, `hf_bpd.runtime.artifacts`: the same step,
 exported once per machine with dynamic rows, block length and context, loaded in seconds; eagerly while it is being
-built in the background): no shape compiles in any call, for a step 5-10 % slower at 16 rows (SmolLM2, Intel Xeon,
-300 slots in use, same hour: 56.8-58.8 ms for 16 rows x 1 token against 53.1 for that compiled shape, whose one-token
-attention stacks each key/value head's query heads; docs/performance.md#batches).
+built in the background): no shape compiles in any call. Its one-token steps run the artifact's one-token batch
+step (`hf_bpd.runtime.artifacts.ONE_TOKEN`, built when a batch first needs it), ~3 % slower than the compiled shape
+at 16 rows (SmolLM2, Intel Xeon, 300 slots in use, same process: 66.1 ms for 16 rows x 1 token against 64.1; the
+step itself took 70.9; docs/performance.md#batches).
 Each compiled graph holds its own packed copy of the weights (inductor's freezing), so a base's batched shapes share
 `MAX_GRAPH_BYTES` of them; once that is spent, a new shape runs the same step eagerly on the same cache.
 
@@ -185,7 +186,8 @@ class ArtifactBatchedRunner(BatchedRunner):
     length and context), loaded, never compiled: what `compile=True` verifies a batch with. Each step attends the
     slots up to its block only and computes the cache's first rows, as many as it is given (the batch's active rows:
     `hf_bpd.generation.batch_cache.StaticRaggedCache`); a block over the artifact's `MAX_BLOCK` runs the same step
-    eagerly on the same cache, every row."""
+    eagerly on the same cache, every row. Steps of one token per row run the artifact's one-token batch step once it
+    is built (`one_token`; `hf_bpd.runtime.artifacts.ONE_TOKEN`)."""
 
     kind = "artifact"
     dynamic_rows = True  # blocks up to `max_block`: the artifact runs any number of the cache's first rows
@@ -195,6 +197,7 @@ class ArtifactBatchedRunner(BatchedRunner):
 
         super().__init__(base, rows, max_cache_len)
         self.artifact, self.max_block = artifact, MAX_BLOCK
+        self.one_token = None  # the artifact's one-token batch step, once it is built (set by each call)
         self.kv = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
 
     def run(self, tokens, positions, mask, key_slots=None) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -208,8 +211,9 @@ class ArtifactBatchedRunner(BatchedRunner):
         attended = mask[..., : past + width].contiguous()  # the slots in use and this block
         rows = tokens.shape[0]  # the cache's first rows (a row-slice of a contiguous tensor is dense)
         kv = self.kv if rows == self.rows else [t[:rows] for t in self.kv]
+        step = self.one_token if width == 1 and self.one_token is not None else self.artifact
         # dense inputs: the artifact's code indexes rows by the strides it was built with
-        logits, hidden = self.artifact(tokens.contiguous(), positions.contiguous(), attended, torch.tensor(past), kv)
+        logits, hidden = step(tokens.contiguous(), positions.contiguous(), attended, torch.tensor(past), kv)
         return logits, hidden, False
 
 

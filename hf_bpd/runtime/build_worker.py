@@ -1,6 +1,7 @@
-"""The background build's worker process (`python -m hf_bpd.runtime.build_worker FOLDER`, started by
+"""The background build's worker process (`python -m hf_bpd.runtime.build_worker FOLDER GRAPH`, started by
 `hf_bpd.runtime.background.start_build`): loads the copy of the caller's base saved in FOLDER, builds the int8 heads
-kernel and then the artifact under the caller's key, at idle CPU priority; records a failure in `build.failed`."""
+kernel (for the step) and then the artifact's GRAPH under the caller's key, at idle CPU priority; records a failure
+in the graph's failure note (`build.failed` for the step)."""
 
 from __future__ import annotations
 
@@ -17,35 +18,39 @@ from . import artifacts
 from .background import REQUEST
 
 
-def main(directory: Path) -> int:
-    """The worker: load the saved base, build the int8 kernel and the artifact under the requested key."""
+def main(directory: Path, graph: str = artifacts.STEP) -> int:
+    """The worker: load the saved base, build the int8 kernel and `graph` of the artifact under the requested key."""
     from transformers import AutoModelForCausalLM
 
-    request = json.loads((directory / REQUEST).read_text())
+    request_file = directory / REQUEST.format(graph=graph)
+    failed = artifacts.graph_files(directory, graph)[2]
+    request = json.loads(request_file.read_text())
     weights = directory / request.pop("weights_dir")
     key = request
     torch.set_num_threads(key["threads"])
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    print(f"{stamp} building {directory.name} ({key['cpu']}, {key['threads']} threads, {key['dtype']})", flush=True)
+    print(f"{stamp} building {directory.name} {graph} ({key['cpu']}, {key['threads']} threads, {key['dtype']})",
+          flush=True)
     try:
         dtype = getattr(torch, key["dtype"].split(".")[-1])
         base = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype).eval()
         shutil.rmtree(weights, ignore_errors=True)
-        try:
-            from .int8_heads import build_kernel
+        if graph == artifacts.STEP:
+            try:
+                from .int8_heads import build_kernel
 
-            build_kernel()
-        except Exception as error:  # noqa: BLE001 - generate() warns about it when it asks for the kernel
-            print(f"int8 heads kernel: {error}", flush=True)
-        path = artifacts.build(base, log=lambda line: print(line, flush=True), key=key)
+                build_kernel()
+            except Exception as error:  # noqa: BLE001 - generate() warns about it when it asks for the kernel
+                print(f"int8 heads kernel: {error}", flush=True)
+        path = artifacts.build(base, log=lambda line: print(line, flush=True), key=key, graph=graph)
         print(f"ready: {path}", flush=True)
     except Exception as error:  # noqa: BLE001 - recorded for the callers, who decode eagerly
-        (directory / artifacts.FAILED).write_text(f"{type(error).__name__}: {str(error).splitlines()[0][:500]}\n")
+        failed.write_text(f"{type(error).__name__}: {str(error).splitlines()[0][:500]}\n")
         print(f"failed: {type(error).__name__}: {error}", flush=True)
         return 1
     finally:
         shutil.rmtree(weights, ignore_errors=True)
-        (directory / REQUEST).unlink(missing_ok=True)
+        request_file.unlink(missing_ok=True)
     return 0
 
 
@@ -61,4 +66,4 @@ def idle_priority() -> None:
 
 if __name__ == "__main__":
     idle_priority()
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main(Path(sys.argv[1]), *sys.argv[2:3]))
