@@ -44,14 +44,13 @@ def cmd_compile(args) -> int:
     largest = _largest_block(model, args)
     log = lambda m: print(f"hf-bpd: {m}", file=sys.stderr)  # noqa: E731
     path = artifacts.build(base, args.threads, log=log)
-    graphs = [artifacts.STEP]
-    if not args.no_batch_step and batched_artifact_unsupported_reason(base, 2) is None:
-        graphs.append(artifacts.ONE_TOKEN)
+    batch_step = not args.no_batch_step and batched_artifact_unsupported_reason(base, 2) is None
+    if batch_step:
         artifacts.build(base, args.threads, log=log, graph=artifacts.ONE_TOKEN)
     print(f"{path} ready ({time.perf_counter() - start:.0f} s); generate(compile=True) with {args.threads} threads "
           f"loads it; it serves blocks of 1 to {artifacts.MAX_BLOCK} tokens, every context length and batches of up "
           f"to {artifacts.MAX_ROWS} rows" + (" (their one-token steps on the one-token batch step)"
-                                            if artifacts.ONE_TOKEN in graphs else ""))
+                                            if batch_step else ""))
     if largest > artifacts.MAX_BLOCK:
         print(f"hf-bpd: the drafting shape asked for verifies blocks of {largest} tokens, over {artifacts.MAX_BLOCK}: "
               "those steps run eagerly (compile='wait': with torch.compile in each process); use at most "

@@ -16,13 +16,13 @@ the attention reads the first `L` cache slots only, the ones the `(B, 1, Q, L)` 
 its cache gets a bigger cache, never a new compilation.
 
 Batches get a second graph beside it, the one-token batch step (`ONE_TOKEN`, `one_token.pt2`): the same step for
-one token per row (the block length static), exported at 16 example rows, each key/value head's query heads stacked
-as that head's queries in the attention. Inductor tunes each GEMM's kernel at the example's shape (the step's
-example, 2 rows x 4 tokens, tunes them for 8 tokens) and the stacked heads make the CPU flash kernel multiply a block
-of queries where it ran one matrix-vector product per head; SmolLM2's 16-row one-token step: 66.1 ms against 70.9 on
-the step (minimum of 8 alternating medians; 4 rows 36.7 vs 38.6, 8 rows 46.8 vs 48.3; Intel Xeon AVX-512, 2 threads,
-300 cached tokens). It is built when a batch first runs on the artifact (in the background, like the step: the
-step serves those steps until it is there), or by `hf-bpd compile`.
+one token per row, exported at 16 example rows (inductor tunes each GEMM's kernel at the example's shape), each
+key/value head's query heads stacked as that head's queries in the attention. Its gain comes from the block length
+being static (the step's is dynamic), the tuning for 16 rows and the stacked heads (1-2 % each of the last two).
+SmolLM2's 16-row one-token step: 66.1 ms against 70.9 on the step (minimum of 8 alternating medians; 4 rows 36.7 vs
+38.6, 8 rows 46.8 vs 48.3; Intel Xeon AVX-512, 2 threads, 300 cached tokens). It is built when a batch first runs
+on the artifact (in the background, like the step: the step serves those steps until it is there), or by `hf-bpd
+compile`.
 
 An artifact is valid for what it was built from, all in its key: the base's weights (a fingerprint of every tensor),
 dtype and config, the torch / transformers / hf_bpd versions, the CPU's instruction set and the thread count (baked
@@ -45,7 +45,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import attention_implementation
+from .attention import attention_implementation, stacked_query_attention
 from .ordered_attention import uses_ordered_attention
 from .step import VerificationStep, compile_unsupported_reason, kv_layout, verification_cache
 
@@ -59,6 +59,7 @@ MAX_CONTEXT = 32768
 PACKAGE = "step.pt2"
 LOCK = "build.lock"  # held by whoever builds the artifact
 FAILED = "build.failed"  # the last build's error (a background build is not started again while it is there)
+DESCRIPTION = {STEP: "the compiled step", ONE_TOKEN: "the compiled one-token batch step"}  # in log lines
 _FILES = {STEP: (PACKAGE, "key.json", FAILED),  # graph -> (package, its record, its last build's error)
           ONE_TOKEN: ("one_token.pt2", "one_token.json", "one_token.failed")}
 ATTENTION_NAME = "hf_bpd_attended_sdpa"
@@ -77,17 +78,14 @@ def attended_sdpa_forward(module, query, key, value, attention_mask, dropout: fl
 
 def attended_stacked_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                                   is_causal=None, **kwargs):
-    """`attended_sdpa_forward` for one query token per row: each key/value head's query heads go to the kernel as
-    that head's block of queries (an exact reshape; query head h reads key/value head h // groups either way)."""
-    rows, heads, width, dim = query.shape
-    kv_heads = key.shape[1]
+    """`attended_sdpa_forward` for one query token per row, each key/value head's query heads stacked as that head's
+    queries (`stacked_query_attention`)."""
+    heads, width, kv_heads = query.shape[1], query.shape[2], key.shape[1]
     if width != 1 or heads == kv_heads or heads % kv_heads:
         return attended_sdpa_forward(module, query, key, value, attention_mask, scaling=scaling)
     attended = attention_mask.shape[-1]
-    stacked = query.reshape(rows, kv_heads, heads // kv_heads, dim)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        stacked, key[:, :, :attended], value[:, :, :attended], attn_mask=attention_mask, scale=scaling)
-    return out.reshape(rows, heads, 1, dim).transpose(1, 2).contiguous(), None
+    out = stacked_query_attention(query, key[:, :, :attended], value[:, :, :attended], attention_mask, scaling)
+    return out.transpose(1, 2).contiguous(), None
 
 
 for _name, _forward in ((ATTENTION_NAME, attended_sdpa_forward),
@@ -239,9 +237,8 @@ def build(base, threads: int | None = None, log=None, key: dict | None = None, g
             return package
         failed.unlink(missing_ok=True)
         start = time.perf_counter()
-        what = "the compiled step" if graph == STEP else "the compiled one-token batch step"
         if log:
-            log(f"building {what} for this machine ({key['cpu']}, {key['threads']} threads) ...")
+            log(f"building {DESCRIPTION[graph]} for this machine ({key['cpu']}, {key['threads']} threads) ...")
         exported = export_step(base, graph)
         options = {**INDUCTOR_OPTIONS, **compiler_options(), "cpp.threads": key["threads"]}
         partial = directory / f".partial-{os.getpid()}-{package.name}"

@@ -72,6 +72,17 @@ def _two_gemm_attention(query, key, value, mask, scale: float) -> torch.Tensor:
     return torch.matmul(probs, value).view(rows, heads, width, dim)
 
 
+def stacked_query_attention(query, key, value, mask, scale: float | None) -> torch.Tensor:
+    """Attention of one query token per row, `(rows, heads, 1, dim)` over `(rows, kv_heads, slots, dim)` keys/values
+    read in place: each key/value head's query heads go to PyTorch's CPU kernel as that head's block of queries (an
+    exact reshape; query head h reads key/value head h // groups either way), so the kernel multiplies a block where
+    it ran one matrix-vector product per head. Returns `(rows, heads, 1, dim)`."""
+    rows, heads, _, dim = query.shape
+    stacked = query.reshape(rows, key.shape[1], heads // key.shape[1], dim)
+    out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scale)
+    return out.reshape(rows, heads, 1, dim)
+
+
 def _used_slots_attention(query, key, value, mask, cache_position, scale: float) -> torch.Tensor:
     """The batched step's attention over the cache slots in use, `[0, cache_position[-1]]` (the block is written
     at `cache_position`; every slot past it is masked for every row): one query token per row through PyTorch's
@@ -80,11 +91,7 @@ def _used_slots_attention(query, key, value, mask, cache_position, scale: float)
     used = int(cache_position[-1]) + 1
     key, value, mask = key[:, :, :used], value[:, :, :used], mask[..., :used]
     if query.shape[2] == 1:  # each key/value head's query heads as one block of queries (a GEMM, not GEMVs)
-        rows, heads, _, dim = query.shape
-        kv_heads = key.shape[1]
-        stacked = query.reshape(rows, kv_heads, heads // kv_heads, dim)
-        out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scale)
-        out = out.reshape(rows, heads, 1, dim)
+        out = stacked_query_attention(query, key, value, mask, scale)
     else:
         out = _two_gemm_attention(query, key, value, mask, scale)
     return out.transpose(1, 2).contiguous()

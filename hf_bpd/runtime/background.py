@@ -45,7 +45,7 @@ logger = logging.getLogger("hf_bpd")
 WEIGHTS = "base"  # the copy of the base's weights the worker loads, in the artifact's folder
 REQUEST = "request-{graph}.json"  # the key the worker builds a graph under
 _WORKERS: dict[Path, object] = {}  # artifact folder -> the thread (saving the weights) or worker process started here
-_TOLD: set[Path] = set()  # folders whose build this process has announced (one line each)
+_TOLD: set[tuple[Path, str]] = set()  # (folder, graph) builds this process has announced (one line each)
 _LOCK = threading.Lock()
 
 
@@ -98,13 +98,13 @@ def ready_artifact(base, graph: str = artifacts.STEP):
                 _TOLD.add(told)
                 error = failed.read_text().strip().splitlines()[-1:] or ["?"]
                 logger.warning("hf_bpd: the background build of %s failed (%s); %s. `hf-bpd compile CHECKPOINT` "
-                               "builds it in the foreground", _WHAT[graph], error[0][:200], _MEANWHILE[graph])
+                               "builds it in the foreground", artifacts.DESCRIPTION[graph], error[0][:200],
+                               _MEANWHILE[graph])
             return None
         start_build(base, key, directory, graph)
     return None
 
 
-_WHAT = {artifacts.STEP: "the compiled step", artifacts.ONE_TOKEN: "the compiled one-token batch step"}
 _MEANWHILE = {artifacts.STEP: "decoding eagerly",
               artifacts.ONE_TOKEN: "batches run their one-token steps on the compiled step"}
 
@@ -115,7 +115,7 @@ def start_build(base, key: dict, directory: Path, graph: str = artifacts.STEP) -
     if (directory, graph) not in _TOLD:
         _TOLD.add((directory, graph))
         logger.warning("hf_bpd: building %s for this machine in the background (%s, %d threads; log: %s); %s until "
-                       "it is ready", _WHAT[graph], key["cpu"], key["threads"], directory / "build.log",
+                       "it is ready", artifacts.DESCRIPTION[graph], key["cpu"], key["threads"], directory / "build.log",
                        _MEANWHILE[graph])
 
     def save_and_start():
