@@ -245,7 +245,9 @@ def test_the_width_follows_costs_and_acceptance():
         return policy
 
     flat = width({1: 10.0, 64: 10.0}, 4)
-    assert flat.choose([0, 1, 2, 3]) == 4  # prior rates 0.5: the 5th token would add 3 %, under MARGIN
+    # prior rates 0.5, lowered by half their standard error over 4 pseudo-observations to 0.375: a 4th token would
+    # add 3.5 %, under MARGIN
+    assert flat.choose([0, 1, 2, 3]) == 3
     steep = width({1: 10.0, 64: 640.0}, 4)
     assert steep.choose([0, 1, 2, 3]) == 1
     assert steep.cost(8) == pytest.approx(80.0) and steep.cost(128) == pytest.approx(1280.0)
@@ -276,6 +278,26 @@ def test_the_width_follows_costs_and_acceptance():
         good.timing(80, 10_000.0)
     assert good.choose(list(range(16)), remaining=[10] * 15 + [2]) < 5
     assert shadow_accepted([4, 5, 6], [4, 5, 9, 9]) == (3, 2) and shadow_accepted([4, 5, 6], [4]) == (1, 1)
+
+
+def test_a_rate_seen_little_counts_for_less_than_the_same_rate_seen_much(monkeypatch):
+    """The width choice lowers each row's rate by `CONFIDENCE` standard errors: 3 of 5 drafts accepted do not pay
+    for a block that 240 of 400 pay for (the same rate); without the lowering both would draft."""
+    from hf_bpd.generation import batch_width
+    from hf_bpd.generation.batch_width import BatchWidth
+
+    def policy(tries, hits):
+        p = BatchWidth({1: 10.0, 2: 14.5, 4096: 1e6}, 2, 1)
+        p.timing(1, 10.0)
+        for i in range(tries):
+            p.record(0, 1, int(i < hits))
+        return p
+
+    little, much = policy(5, 3), policy(400, 240)
+    assert little.rates(0)[0] < 0.5 < 0.58 < much.rates(0)[0] < 0.6
+    assert little.choose([0]) == 1 and much.choose([0]) == 2
+    monkeypatch.setattr(batch_width, "CONFIDENCE", 0.0)
+    assert little.choose([0]) == 2
 
 
 def test_drafted_steps_that_deliver_less_than_plain_ones_raise_the_bar():
@@ -334,6 +356,7 @@ def test_the_switch_turns_drafting_on_and_off_and_rows_stay_exact(costs, draftin
     monkeypatch.setattr("hf_bpd.generation.batch.forward_costs", lambda base, max_tokens: dict(costs))
     monkeypatch.setattr(batch_width, "TIMING_WEIGHT", 0.0)  # the forced table, not this machine's timings
     monkeypatch.setattr(batch_width, "MARGIN", 0.0)  # random heads: any expected gain is to be taken
+    monkeypatch.setattr(batch_width, "CONFIDENCE", 0.0)  # nor lowered by its uncertainty
     model = random_bpd("llama", 0)
     prompts = random_prompts(4, seed=21)
     ids, mask = left_padded(prompts)

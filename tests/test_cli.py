@@ -188,11 +188,12 @@ def test_bench_batch_sizes_compare_batched_bpd_with_batched_plain_decoding(tiny,
     out = tmp_path / "batch.json"
     code = run_main(["bench", "--model", tiny["heads"], "--questions", tiny["questions"], "--limit", "3",
                      "--max-new-tokens", "10", "--batch-size", "1,4", "--threads", "1", "--warmup", "0",
-                     "--methods", "ar,ar-artifact,bpd", "--no-progress", "--output", str(out)])
+                     "--rounds", "2", "--methods", "ar,ar-artifact,bpd", "--no-progress", "--output", str(out)])
     stdout = capsys.readouterr().out
     assert code == 0 and "| batch size | method | tok/s | vs best plain |" in stdout
     report = json.loads(out.read_text())
-    assert [r["batch_size"] for r in report["batches"]] == [1, 4]
+    assert [r["batch_size"] for r in report["batches"]] == [1, 4] and report["settings"]["rounds"] == 2
+    assert all(r["rounds"] == 2 for r in report["batches"])
     for row in report["batches"]:
         plain, bpd = row["methods"]["ar"], row["methods"]["bpd"]
         best = max(plain["tokens_per_s"], row["methods"]["ar-artifact"]["tokens_per_s"])
@@ -203,6 +204,7 @@ def test_bench_batch_sizes_compare_batched_bpd_with_batched_plain_decoding(tiny,
     passes = [r["methods"]["bpd"]["forward_passes"] for r in report["batches"]]
     assert passes[1] < passes[0]  # 1 batch, not 3 rows
     assert run_main(["bench", "--model", tiny["heads"], "--batch-size", "0"]) == 2
+    assert run_main(["bench", "--model", tiny["heads"], "--batch-size", "4", "--rounds", "0"]) == 2
     assert run_main(["bench", "--model", tiny["heads"], "--batch-size", "4", "--methods", "ar,fast"]) == 2
 
     code = run_main(["bench", "--model", tiny["heads"], "--questions", tiny["questions"], "--limit", "3",

@@ -18,6 +18,8 @@ def cmd_bench(args) -> int:
     _check_drafting_flags(args)
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     _int_list(args.tree, "--tree")
     _locate(args.model)
     _questions(args)  # a bad prompt file fails before the model is loaded
@@ -34,11 +36,12 @@ def cmd_bench(args) -> int:
         model, tokenizer = _setup(args)
         report = batch_bench.run_batch_bench(model, tokenizer, questions, sizes, args.max_new_tokens, args.chat,
                                              args.warmup, progress=not args.no_progress,
-                                             log=lambda m: print(f"hf-bpd: {m}", file=sys.stderr), methods=methods)
+                                             log=lambda m: print(f"hf-bpd: {m}", file=sys.stderr), methods=methods,
+                                             rounds=args.rounds)
         dtype = str(model.dtype).removeprefix("torch.")
         report = {"settings": {"model": args.model, "questions": args.questions, "limit": args.limit,
                                "max_new_tokens": args.max_new_tokens, "batch_sizes": sizes, "methods": methods,
-                               "dtype": dtype,
+                               "dtype": dtype, "warmup": args.warmup, "rounds": args.rounds,
                                "threads": args.threads},
                   "machine": bench.machine_info(), **report}
         print(batch_bench.markdown_batch_report(report), end="")
@@ -214,6 +217,9 @@ def add_parsers(sub, command) -> None:
                        help="the GGUF llama.cpp decodes for the llama.cpp method (default: the packaged base's; the "
                             "method needs the optional llama-cpp-python, else it is skipped)")
     bench.add_argument("--warmup", type=int, default=1, help="uncounted warm-up generations per method")
+    bench.add_argument("--rounds", type=int, default=1,
+                       help="with --batch-size: timed passes over the batches, the methods' order rotating from call "
+                            "to call (more rounds, less of the machine's drift in the ratios)")
     bench.add_argument("--batch-size", default=None, metavar="N[,N...]",
                        help="instead of the method table: batched BPD (the checkpoint's drafting, eager) against "
                             "transformers' batched plain greedy generate() on the same left-padded batches, per batch "

@@ -73,12 +73,14 @@ def check_batch_methods(methods) -> None:
 
 def run_batch_bench(model, tokenizer, questions: Sequence[dict], batch_sizes: Sequence[int],
                     max_new_tokens: int = 128, chat: bool | None = None, warmup: int = 1, progress: bool = True,
-                    log=None, methods: Sequence[str] = BATCH_METHODS) -> dict:
+                    log=None, methods: Sequence[str] = BATCH_METHODS, rounds: int = 1) -> dict:
     """Batched decoding methods (`batch_decoders`) on the same left-padded batches of consecutive prompts, in an
     order that rotates per batch; per batch size and method: tokens/s (compilation taken out), the ratio to the best
     plain method, the rows' pooled block efficiency and how many rows are token-identical to the reference (before
     the timed calls, `warmup` uncounted rounds of every method decoding the first batch in full; compilation left
-    in a timed call is subtracted from it):
+    in a timed call is subtracted from it; `rounds` timed passes over the batches, the order rotating on from call
+    to call, so that the machine's drift spreads over the methods; a row counts as identical when it was in every
+    round):
     transformers' batched plain decoding (`ar`) for fp32 bases, hf_bpd's compiled plain steps (`ar-compiled`: each row
     its prompt's lone compiled plain output) for half-precision ones, else the first method run."""
     from tqdm.auto import tqdm
@@ -104,12 +106,13 @@ def run_batch_bench(model, tokenizer, questions: Sequence[dict], batch_sizes: Se
             for decode in decoders.values():  # choose compile here, not in the timed calls
                 decode(batches[0])
         seconds, tokens = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
-        exact, calls, passes, compiling = dict.fromkeys(names, 0), dict.fromkeys(names, 0), dict.fromkeys(names, 0), \
-            dict.fromkeys(names, 0.0)
-        rows = 0
-        for i, batch in enumerate(tqdm(batches, desc=f"batch {size}", disable=not progress)):
+        calls, passes, compiling = dict.fromkeys(names, 0), dict.fromkeys(names, 0), dict.fromkeys(names, 0.0)
+        identical = [[True] * len(prompts) for _ in names]  # per method, per prompt: in every round
+        rows = sum(len(batch["input_ids"]) for batch in batches)
+        timed_calls = [(i, batch) for _ in range(rounds) for i, batch in enumerate(batches)]
+        for call, (i, batch) in enumerate(tqdm(timed_calls, desc=f"batch {size}", disable=not progress)):
             outputs = {}
-            for name in names[i % len(names):] + names[: i % len(names)]:
+            for name in names[call % len(names):] + names[: call % len(names)]:
                 start = time.perf_counter()
                 out = decoders[name](batch)
                 seconds[name] += time.perf_counter() - start
@@ -121,22 +124,23 @@ def run_batch_bench(model, tokenizer, questions: Sequence[dict], batch_sizes: Se
                     rows_stats = stats.rows or [stats]
                     calls[name] += sum(r.serial_calls for r in rows_stats)
                     passes[name] += stats.forward_passes or stats.serial_calls
-            for name in names:
-                exact[name] += sum(a == b for a, b in zip(outputs[reference], outputs[name]))
-            rows += len(batch["input_ids"])
+            for n, name in enumerate(names):
+                for j, (a, b) in enumerate(zip(outputs[reference], outputs[name])):
+                    identical[n][i * size + j] &= a == b
+        exact = {name: sum(identical[n][:rows]) for n, name in enumerate(names)}
         per_method = {}
         for name in names:
             timed = seconds[name] - compiling[name]
             per_method[name] = {"tokens_per_s": tokens[name] / timed, "seconds": timed,
                                 "compile_seconds": compiling[name], "identical_rows": exact[name],
                                 "block_efficiency": tokens[name] / calls[name] if calls[name] else None,
-                                "forward_passes": passes[name] or None}
+                                "forward_passes": passes[name] // rounds or None}
         plain = [m for m in names if m in PLAIN_METHODS]
         best = max(plain, key=lambda m: per_method[m]["tokens_per_s"]) if plain else None
         for name in names:
             per_method[name]["vs_best_plain"] = per_method[name]["tokens_per_s"] / \
                 per_method[best]["tokens_per_s"] if best else None
-        result = {"batch_size": size, "prompts": rows, "reference": reference, "best_plain": best,
+        result = {"batch_size": size, "prompts": rows, "rounds": rounds, "reference": reference, "best_plain": best,
                   "methods": per_method}
         log(f"batch {size}: " + ", ".join(
             f"{m} {r['tokens_per_s']:.1f} tok/s" + (f" ({r['vs_best_plain']:.2f}x)" if best else "") +
