@@ -75,11 +75,11 @@ def run_batch_bench(model, tokenizer, questions: Sequence[dict], batch_sizes: Se
                     max_new_tokens: int = 128, chat: bool | None = None, warmup: int = 1, progress: bool = True,
                     log=None, methods: Sequence[str] = BATCH_METHODS, rounds: int = 1) -> dict:
     """Batched decoding methods (`batch_decoders`) on the same left-padded batches of consecutive prompts, in an
-    order that rotates per batch; per batch size and method: tokens/s (compilation taken out), the ratio to the best
+    order that rotates per call; per batch size and method: tokens/s (compilation taken out), the ratio to the best
     plain method, the rows' pooled block efficiency and how many rows are token-identical to the reference (before
     the timed calls, `warmup` uncounted rounds of every method decoding the first batch in full; compilation left
-    in a timed call is subtracted from it; `rounds` timed passes over the batches, the order rotating on from call
-    to call, so that the machine's drift spreads over the methods; a row counts as identical when it was in every
+    in a timed call is subtracted from it; `rounds` timed passes over the batches, the rotation going on from pass
+    to pass, so that the machine's drift spreads over the methods; a row counts as identical when it was in every
     round):
     transformers' batched plain decoding (`ar`) for fp32 bases, hf_bpd's compiled plain steps (`ar-compiled`: each row
     its prompt's lone compiled plain output) for half-precision ones, else the first method run."""
@@ -107,8 +107,7 @@ def run_batch_bench(model, tokenizer, questions: Sequence[dict], batch_sizes: Se
                 decode(batches[0])
         seconds, tokens = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
         calls, passes, compiling = dict.fromkeys(names, 0), dict.fromkeys(names, 0), dict.fromkeys(names, 0.0)
-        identical = [[True] * len(prompts) for _ in names]  # per method, per prompt: in every round
-        rows = sum(len(batch["input_ids"]) for batch in batches)
+        identical = {name: [True] * len(prompts) for name in names}  # per prompt: in every round
         timed_calls = [(i, batch) for _ in range(rounds) for i, batch in enumerate(batches)]
         for call, (i, batch) in enumerate(tqdm(timed_calls, desc=f"batch {size}", disable=not progress)):
             outputs = {}
@@ -124,15 +123,15 @@ def run_batch_bench(model, tokenizer, questions: Sequence[dict], batch_sizes: Se
                     rows_stats = stats.rows or [stats]
                     calls[name] += sum(r.serial_calls for r in rows_stats)
                     passes[name] += stats.forward_passes or stats.serial_calls
-            for n, name in enumerate(names):
+            for name in names:
                 for j, (a, b) in enumerate(zip(outputs[reference], outputs[name])):
-                    identical[n][i * size + j] &= a == b
-        exact = {name: sum(identical[n][:rows]) for n, name in enumerate(names)}
+                    identical[name][i * size + j] &= a == b
+        rows = len(prompts)
         per_method = {}
         for name in names:
             timed = seconds[name] - compiling[name]
             per_method[name] = {"tokens_per_s": tokens[name] / timed, "seconds": timed,
-                                "compile_seconds": compiling[name], "identical_rows": exact[name],
+                                "compile_seconds": compiling[name], "identical_rows": sum(identical[name]),
                                 "block_efficiency": tokens[name] / calls[name] if calls[name] else None,
                                 "forward_passes": passes[name] // rounds or None}
         plain = [m for m in names if m in PLAIN_METHODS]
