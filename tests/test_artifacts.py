@@ -129,6 +129,9 @@ def test_the_key_names_what_the_artifact_depends_on(built):
     assert artifacts.key_dir(key) != artifacts.key_dir(artifacts.artifact_key(base, 2))  # threads
     assert artifacts.key_dir(key) != artifacts.key_dir(artifacts.artifact_key(tiny_base(seed=1), 1))  # weights
     assert key["cpu"] == torch.backends.cpu.get_cpu_capability() and key["torch"] == torch.__version__
+    # the CPU's flags too (AMX tiles: the capability says AVX512 with or without them)
+    other_cpu = artifacts.key_dir({**key, "cpu_flags": "0" * 16})
+    assert artifacts.key_dir(key) != other_cpu and len(key["cpu_flags"]) == 16
     # another thread count has no artifact: compile=True falls back to compiling in the process
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -345,4 +348,53 @@ def test_compile_true_verifies_batches_on_the_artifact_row_exact(built, monkeypa
     # plain compiled batches (use_heads=False) on the artifact too
     out = model.generate(ids, attention_mask=mask, compile=True, use_heads=False, **kwargs)
     assert check_rows(model, prompts, out, width, kwargs) == 0
+    assert model.last_generation_stats.verifier == "artifact"
+
+
+def test_an_artifact_runner_times_its_own_steps_once_per_machine(built, monkeypatch):
+    """The width choice of a batch on the artifact reads the runner's own step costs (blocks of 1 to the widest
+    width on every row, one token on halved rows), timed once and kept beside the artifact: a later runner of as
+    many rows reads them and times nothing."""
+    from hf_bpd.runtime import batched
+
+    _, base, path = built
+    (path.parent / batched.COSTS_FILE).unlink(missing_ok=True)
+    runner = batched.ArtifactBatchedRunner(base, 4, 64, artifacts.load(base))
+    runner.set_length(20)
+    before = [t.clone() for t in runner.kv]
+    costs = runner.measured_costs(3)
+    assert sorted(costs) == [1, 2, 4, 8, 12] and all(ms > 0 for ms in costs.values())
+    assert int(runner.cache.layers[0].cumulative_length) == 20  # rolled back
+    assert all(torch.equal(a[:, :, :20], b[:, :, :20]) for a, b in zip(before, runner.kv))  # the used slots kept
+    stored = json.loads((path.parent / batched.COSTS_FILE).read_text())
+    assert {int(n) for n in stored["4 rows"]} == set(costs)
+    calls = []
+    monkeypatch.setattr(batched.ArtifactBatchedRunner, "run", lambda self, *a, **k: calls.append(a))
+    again = batched.ArtifactBatchedRunner.__new__(batched.ArtifactBatchedRunner)
+    again.__dict__.update(runner.__dict__, _costs={}, _costs_key=None)
+    assert again.measured_costs(3) == pytest.approx(costs, abs=1e-3) and not calls
+    # the one-token batch step's costs are its own: with it, the runner times its steps again
+    again.one_token = artifacts.load(base, graph=artifacts.ONE_TOKEN)
+    again.measured_costs(3)
+    assert calls and "4 rows, one-token batch step" in json.loads((path.parent / batched.COSTS_FILE).read_text())
+
+
+def test_a_drafting_batch_on_the_artifact_weighs_widths_by_the_runners_costs(built, monkeypatch):
+    """A drafting batch on the artifact prices its widths by its runner's timed steps, never by the eager forward's
+    table (which would fail here), and stays row-exact."""
+    from hf_bpd.generation import batch
+    from tests.test_batch import PAD, check_rows, left_padded, random_prompts
+
+    _, base, _ = built
+    model = BlockwiseParallelForCausalLM.from_base(base, num_heads=3).eval()
+    prompts = random_prompts(3, seed=5, longest=12)
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    ids, mask = left_padded(prompts)
+
+    def no_table(*args, **kw):
+        raise AssertionError("the eager forward's table was read")
+
+    monkeypatch.setattr(batch, "forward_costs", no_table)
+    out = model.generate(ids, attention_mask=mask, compile=True, **kwargs)
+    assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
     assert model.last_generation_stats.verifier == "artifact"

@@ -252,7 +252,10 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
         if not plan.row_drafts:
             # the widest block: as many nodes as the heads' chain (each width is a compiled shape of its own; a
             # batch step's cost grows with rows x width, so wider blocks have not paid)
-            policy = BatchWidth(forward_costs(base, len(active) * (num_heads + 1)), num_heads + 1, batch)
+            # the costs: an artifact's runner times its own steps (the eager forward's table misjudges them)
+            costs = ragged.measured_costs(num_heads + 1) if num_heads else {}
+            policy = BatchWidth(costs if 1 in costs else forward_costs(base, len(active) * (num_heads + 1)),
+                                num_heads + 1, batch)
             for n, ms in sorted(ragged.step_costs().items()):  # compiled steps, timed when they compiled
                 policy.timing(n, ms)
             if num_heads:

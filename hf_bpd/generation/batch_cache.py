@@ -112,6 +112,10 @@ class RaggedCache:
         """`{tokens: ms}` of steps known before the call's own (none for the eager base)."""
         return {}
 
+    def measured_costs(self, max_width: int) -> dict[int, float]:
+        """`{tokens: ms}` of this cache's steps timed on it before the call's own (none for the eager base)."""
+        return {}
+
     def make_room(self, width: int) -> None:
         """A dynamic cache grows as it needs."""
 
@@ -231,6 +235,12 @@ class StaticRaggedCache:
     def step_costs(self) -> dict[int, float]:
         """`{tokens: ms}` of the runner's compiled steps, timed when they compiled."""
         return {self.runner.rows * w: ms for w, ms in self.runner.width_ms.items()}
+
+    def measured_costs(self, max_width: int) -> dict[int, float]:
+        """`{tokens: ms}` of the runner's steps of up to `max_width` tokens a row, timed on it (an artifact's runner;
+        empty for runners compiled per shape, timed as they compile: `step_costs`)."""
+        measure = getattr(self.runner, "measured_costs", None)
+        return measure(max_width) if measure is not None else {}
 
     def make_room(self, width: int) -> None:
         """Compact when a block of `width` would not fit (call before the step's masks are built)."""

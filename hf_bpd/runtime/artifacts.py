@@ -25,8 +25,9 @@ on the artifact (in the background, like the step: the step serves those steps u
 compile`.
 
 An artifact is valid for what it was built from, all in its key: the base's weights (a fingerprint of every tensor),
-dtype and config, the torch / transformers / hf_bpd versions, the CPU's instruction set and the thread count (baked
-into inductor's GEMM code). It lives in `$HF_BPD_CACHE/artifacts/<key>/` beside `key.json` (with the package's
+dtype and config, the torch / transformers / hf_bpd versions, the CPU's instruction set and flags (an artifact built
+where AMX tiles are would not run where they are not; both CPUs say AVX512) and the thread count (baked into
+inductor's GEMM code). It lives in `$HF_BPD_CACHE/artifacts/<key>/` beside `key.json` (with the package's
 sha256, checked on every load: a corrupt or stale file is rebuilt, not run); builds write to a temporary file,
 renamed into place, under a file lock, so two processes never build the same one at once.
 """
@@ -130,6 +131,7 @@ def artifact_key(base, threads: int | None = None) -> dict:
 
     from .. import __version__
     from ..hub.base_models import fingerprint
+    from .int8_heads import cpu_features
 
     # the config's values, without the fields that only record where it came from (`save_pretrained` sets some)
     config = {k: v for k, v in base.config.to_dict().items() if k not in _PROVENANCE}
@@ -138,6 +140,8 @@ def artifact_key(base, threads: int | None = None) -> dict:
             "config": hashlib.sha256(config.encode()).hexdigest()[:16], "torch": torch.__version__,
             "transformers": transformers.__version__, "hf_bpd": __version__,
             "cpu": torch.backends.cpu.get_cpu_capability(), "threads": threads or torch.get_num_threads(),
+            # every CPU flag: inductor's GEMM code uses AMX tiles where they are, which the capability does not name
+            "cpu_flags": hashlib.sha256(cpu_features().encode()).hexdigest()[:16],
             "max_block": MAX_BLOCK, "max_rows": MAX_ROWS}
 
 

@@ -32,6 +32,8 @@ caches over `MAX_CACHE_BYTES` (long prompts in a wide batch).
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 import warnings
@@ -52,6 +54,8 @@ from .step import VerificationStep, compile_unsupported_reason, has_sliding_laye
 MAX_CACHE_BYTES = 2 << 30  # the static caches of a base's batched runners, together (a batch past it: eager)
 MAX_GRAPH_BYTES = 4 << 30  # the packed weights of a base's compiled batched shapes (beyond: eager steps, same cache)
 TIMED_CALLS = 3  # calls timed after a shape compiles (their median: `width_ms`)
+COST_CALLS = 3  # calls timed per block shape for an artifact runner's cost table (`measured_costs`)
+COSTS_FILE = "batch_costs.json"  # an artifact runner's step costs, kept beside the artifact (`measured_costs`)
 
 
 def max_graphs(base) -> int:
@@ -199,6 +203,8 @@ class ArtifactBatchedRunner(BatchedRunner):
         self.artifact, self.max_block = artifact, MAX_BLOCK
         self.one_token = None  # the artifact's one-token batch step, once it is built (set by each call)
         self.kv = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
+        self._costs: dict[int, float] = {}  # tokens -> ms of this runner's steps (`measured_costs`)
+        self._costs_key = None  # whether the one-token batch step was there when they were timed
 
     def run(self, tokens, positions, mask, key_slots=None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         width = tokens.shape[1]
@@ -215,6 +221,72 @@ class ArtifactBatchedRunner(BatchedRunner):
         # dense inputs: the artifact's code indexes rows by the strides it was built with
         logits, hidden = step(tokens.contiguous(), positions.contiguous(), attended, torch.tensor(past), kv)
         return logits, hidden, False
+
+    def measured_costs(self, max_width: int) -> dict[int, float]:
+        """`{tokens: ms}` of this runner's own steps, for the batch's width choice: blocks of 1 to `max_width` tokens
+        on every row, and one token on fewer rows (halved down to 1: rows leave as they finish), each the median of
+        `COST_CALLS` calls after one untimed, written past the cache's current length and rolled back. Timed once per
+        machine (kept beside the artifact, `COSTS_FILE`, per row count, and apart for the one-token batch step: ~3 s
+        for 16 rows of SmolLM2); the batch's own steps then correct the table (`BatchWidth.timing`). The eager
+        forward's table misjudges these steps: its costs are mostly fixed overhead, theirs grow with the tokens
+        (SmolLM2, AMD EPYC, 2 threads, 16 rows: eager 151 / 168 / 188 ms for 1 / 2 / 3 tokens a row, the artifact
+        52 / 85 / 124), so scaled to a plain step it priced a drafted one at half to two thirds of its cost."""
+        key = self.one_token is not None
+        if self._costs_key != key:
+            self._costs, self._costs_key = self._stored_costs(key), key
+        past = int(self.cache.layers[0].cumulative_length)
+        wanted = [(self.rows, w) for w in range(1, max_width + 1)]
+        rows = self.rows // 2
+        while rows >= 1:
+            wanted.append((rows, 1))
+            rows //= 2
+        if past + max_width > self.max_cache_len:
+            return dict(self._costs)
+        measured = False
+        with torch.no_grad():
+            for rows, width in wanted:
+                if rows * width in self._costs:
+                    continue
+                tokens = torch.zeros(rows, width, dtype=torch.long, device=self.base.device)
+                positions = past + torch.arange(width, device=tokens.device).expand(rows, width)
+                mask = torch.zeros(rows, 1, width, self.max_cache_len, dtype=self.base.dtype, device=tokens.device)
+                times = []
+                for _ in range(COST_CALLS + 1):
+                    begin = time.perf_counter()
+                    self.run(tokens, positions, mask)
+                    times.append(1000 * (time.perf_counter() - begin))
+                    self.set_length(past)
+                self._costs[rows * width] = sorted(times[1:])[COST_CALLS // 2]
+                measured = True
+        if measured:
+            self._store_costs(key)
+        return dict(self._costs)
+
+    def _cost_entry(self, one_token: bool) -> str:
+        return f"{self.rows} rows" + (", one-token batch step" if one_token else "")
+
+    def _stored_costs(self, one_token: bool) -> dict[int, float]:
+        """This runner's step costs as an earlier process timed them on this artifact (`COSTS_FILE` beside it)."""
+        try:
+            stored = json.loads((self.artifact.path.parent / COSTS_FILE).read_text())
+            return {int(n): float(ms) for n, ms in stored[self._cost_entry(one_token)].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return {}
+
+    def _store_costs(self, one_token: bool) -> None:
+        """Keep the costs beside the artifact (best effort: a read-only cache only means timing them again)."""
+        path = getattr(self.artifact, "path", None)
+        if path is None:
+            return
+        path = path.parent / COSTS_FILE
+        try:
+            stored = json.loads(path.read_text()) if path.is_file() else {}
+            stored[self._cost_entry(one_token)] = {str(n): round(ms, 3) for n, ms in sorted(self._costs.items())}
+            partial = path.with_name(f".{COSTS_FILE}.{os.getpid()}.tmp")
+            partial.write_text(json.dumps(stored, indent=1))
+            os.replace(partial, path)
+        except (OSError, ValueError):
+            pass
 
 
 def batched_artifact_unsupported_reason(base, rows: int) -> str | None:
