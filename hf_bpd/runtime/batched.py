@@ -33,7 +33,6 @@ caches over `MAX_CACHE_BYTES` (long prompts in a wide batch).
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import warnings
@@ -45,7 +44,7 @@ from transformers.cache_utils import StaticCache
 from .attention import (ATTENTION_NAME, BATCHED_ATTENTION_NAME, attention_implementation, grouped_query_attention,
                         uses_grouped_attention)
 from .compiled import CACHE_BUCKET, MAX_COMPILED_SHAPES, _Patches
-from .cost import weight_bytes
+from .cost import store_json, weight_bytes
 from .guards import call_compiled, compile_step
 from .ordered_attention import ORDERED_KERNEL_ATTENTION, uses_ordered_attention
 from .packed_linear import packed_base
@@ -281,12 +280,10 @@ class ArtifactBatchedRunner(BatchedRunner):
         path = path.parent / COSTS_FILE
         try:
             stored = json.loads(path.read_text()) if path.is_file() else {}
-            stored[self._cost_entry(one_token)] = {str(n): round(ms, 3) for n, ms in sorted(self._costs.items())}
-            partial = path.with_name(f".{COSTS_FILE}.{os.getpid()}.tmp")
-            partial.write_text(json.dumps(stored, indent=1))
-            os.replace(partial, path)
         except (OSError, ValueError):
-            pass
+            return
+        stored[self._cost_entry(one_token)] = {str(n): round(ms, 3) for n, ms in sorted(self._costs.items())}
+        store_json(path, stored)
 
 
 def batched_artifact_unsupported_reason(base, rows: int) -> str | None:

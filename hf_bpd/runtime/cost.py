@@ -184,12 +184,20 @@ def eager_costs_at(base, lengths, past: int = 128, repeats: int = 3) -> dict[int
         fresh = dict(zip(measured["lengths"], measured["eager_ms"]))
         known.update(fresh)
         kept = {**on_file, **fresh}
-        try:  # best effort: a read-only cache only means measuring again in the next process
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps({"lengths": sorted(kept), "eager_ms": [kept[n] for n in sorted(kept)],
-                                           "past": past, "threads": torch.get_num_threads()}))
-            os.replace(partial, path)
-        except OSError:
-            pass
+        # best effort: a read-only cache only means measuring again in the next process
+        store_json(path, {"lengths": sorted(kept), "eager_ms": [kept[n] for n in sorted(kept)], "past": past,
+                          "threads": torch.get_num_threads()})
     return known
+
+
+def store_json(path: Path, data) -> bool:
+    """Write `data` as JSON to `path` whole or not at all (a temporary file renamed into place), best effort: a cache
+    that cannot be written only means measuring again. Returns whether it was written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(data, indent=1))
+        os.replace(partial, path)
+        return True
+    except OSError:
+        return False
