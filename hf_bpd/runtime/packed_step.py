@@ -28,8 +28,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..kv_cache import CACHE_NAME
+from .artifacts import _example, attended_sdpa_forward
 from .attention import attention_implementation
-from .step import has_sliding_layers, kv_layout
+from .step import has_sliding_layers
 
 ATTENTION_NAME = "hf_bpd_packed_sdpa"
 
@@ -79,16 +80,13 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     """Attention of the packed queries `(1, heads, T, head dim)`: placed at `packed_index` (`row * widest + column`) of
     the `(rows, widest block)` layout the mask `(rows, 1, widest, attended)` covers, attended over each row's first
     `attended` cache slots, gathered back; returns `(1, T, heads, head dim)` as transformers' attention functions do."""
-    rows, width, attended = attention_mask.shape[0], attention_mask.shape[2], attention_mask.shape[-1]
+    rows, width = attention_mask.shape[0], attention_mask.shape[2]
     heads, head_dim = query.shape[1], query.shape[-1]
     placed = query.new_zeros(rows * width, heads, head_dim)
     placed[packed_index] = query[0].transpose(0, 1)
     placed = placed.view(rows, width, heads, head_dim).transpose(1, 2)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        placed, key[:, :, :attended], value[:, :, :attended], attn_mask=attention_mask, scale=scaling,
-        enable_gqa=key.shape[1] != heads)
-    out = out.transpose(1, 2).reshape(rows * width, heads, head_dim)[packed_index]
-    return out[None].contiguous(), None
+    out, _ = attended_sdpa_forward(module, placed, key, value, attention_mask, scaling=scaling)  # (rows, width, ...)
+    return out.reshape(rows * width, heads, head_dim)[packed_index][None].contiguous(), None
 
 
 AttentionInterface.register(ATTENTION_NAME, packed_attention)
@@ -136,12 +134,8 @@ def export_packed_step(base, max_rows: int = 64, max_tokens: int = 256, max_widt
     """`torch.export` of `PackedStep` with the rows, the packed tokens, the widest block, the cache's capacity and the
     attended length dynamic. The example (4 rows verifying 3, 1, 5 and 1 tokens after 8 cached ones, a 64-slot cache)
     is the shape AOTInductor tunes each GEMM's kernel for."""
-    heads, head_dim = kv_layout(base.config)
-    layers = base.config.get_text_config(decoder=True).num_hidden_layers
-    counts, past, capacity = [3, 1, 5, 1], 8, 64
-    kv = [torch.zeros(len(counts), heads, capacity, head_dim, dtype=base.dtype) for _ in range(2 * layers)]
-    width = max(counts)
-    mask = torch.zeros(len(counts), 1, width, past + width, dtype=base.dtype)
+    counts, past = [3, 1, 5, 1], 8
+    _, (_, _, mask, _, kv) = _example(base, capacity=64, block=max(counts), past=past, rows=len(counts))
     layout = packed_layout(counts, past)
     ids = torch.zeros(1, sum(counts), dtype=torch.long)
     args = (ids, layout["slots"][None].clone(), mask, layout["rows"], layout["slots"], layout["packed_index"], kv)
