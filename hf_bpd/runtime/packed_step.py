@@ -16,8 +16,10 @@ four runs of two builds: 4 rows with 2,1,1,1 tokens 22.0–31.7 ms against 29.4�
 20.5–26.4 against 22.8–27.1 for 4 x 1; 16 rows with 2 tokens on 8 of them 72.6–94.0 against 84.9–96.6 for 16 x 2.
 Logits within 8e-5 of each row decoded alone, the same greedy tokens (floating-point sums as in a padded batch).
 The runs disagree by up to a third on one shape (this VM's speed, and the GEMM kernels AOTInductor tunes at the
-example's shape), so whether drafting on some rows only pays is not settled. Full-attention bases only (no sliding
-windows, no logit soft-capping); not yet used by batched decoding.
+example's shape). Tried in batched decoding with a width per row, it lost to the uniform width choice (SmolLM2, AMD
+EPYC, 2 threads: 0.84x at 4 rows; docs/performance.md#batches): a step's cost grows in steps set by the GEMMs' row
+blocks, and the uniform widths already land on the cheap shapes. Full-attention bases only (no sliding windows, no
+logit soft-capping); not used by batched decoding.
 """
 
 from __future__ import annotations
