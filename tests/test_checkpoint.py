@@ -11,6 +11,8 @@ from hf_bpd import BlockwiseParallelForCausalLM
 from hf_bpd.rescorers.neural import NeuralRescorer
 from hf_bpd.rescorers.ngram import NgramRescorer
 
+pytestmark = pytest.mark.autotune  # compiled as users compile (see tests/conftest.py)
+
 CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct-bpd"
 PROMPTS = [  # held-out style instructions (not in the training prompts)
     "Write a Python function that checks whether a number is prime.",

@@ -12,6 +12,8 @@ from torch._inductor import cpp_builder
 
 from hf_bpd.runtime import compiled as compiled_step, inlining
 
+pytestmark = pytest.mark.autotune  # compiled as users compile (see tests/conftest.py)
+
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):

@@ -7,6 +7,8 @@ import hf_bpd
 from hf_bpd import BaseModelError, BlockwiseParallelForCausalLM
 from hf_bpd.hub.base_models import PACKAGED_MODELS, PackagedModel
 
+pytestmark = pytest.mark.autotune  # compiled as users compile (see tests/conftest.py)
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",

@@ -50,9 +50,10 @@ class _Patches(contextlib.ExitStack):
     and GCC told to inline the GEMM micro-kernels of every row count (`hf_bpd.runtime.inlining`), without autotune
     tables on stderr (`hf_bpd.runtime.quiet`). dynamo compiles at most `recompile_limit` (default 8) shapes per
     function, then silently runs it eagerly: each block length is one shape, so the limit is raised.
-    `ordered` (half precision): GEMMs by inductor's CPU templates only (autotuned against ATen's, another kernel won
-    for one row than for eight), rounding to bf16 wherever the eager program does (`emulate_precision_casts`: else an
-    int8 layer's epilogue stayed fp32 for one row count and not another): a row rounds alike for any row count."""
+    `ordered` (half precision): GEMMs by inductor's CPU templates only, which `max_autotune` (always on here) picks
+    from (autotuned against ATen's, another kernel won for one row than for eight), rounding to bf16 wherever the
+    eager program does (`emulate_precision_casts`: else an int8 layer's epilogue stayed fp32 for one row count and not
+    another): a row rounds alike for any row count."""
 
     def __init__(self, ordered: bool = False):
         super().__init__()
@@ -62,7 +63,7 @@ class _Patches(contextlib.ExitStack):
         super().__enter__()
         options = {**INDUCTOR_OPTIONS, **compiler_options()}
         if self.ordered:
-            options.update(max_autotune_gemm_backends="CPP", emulate_precision_casts=True)
+            options.update(max_autotune=True, max_autotune_gemm_backends="CPP", emulate_precision_casts=True)
         self.enter_context(inductor_config.patch(options))
         self.enter_context(dynamo_config.patch(recompile_limit=MAX_COMPILED_SHAPES))
         self.enter_context(prefetching_gemm_template())
