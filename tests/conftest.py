@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random models of four architectures, and the real SmolLM2 base."""
 
+import contextlib
 import os
 
 import pytest
@@ -57,49 +58,47 @@ def no_artifacts_unless_marked(request, monkeypatch):
         monkeypatch.setenv("HF_BPD_ARTIFACTS", "0")
 
 
+@contextlib.contextmanager
+def _max_autotune(on: bool | None):
+    """inductor's `max_autotune` for the compiled steps set to `on` (None: left as it is), restored afterwards."""
+    from hf_bpd.runtime import inlining
+
+    before = inlining.INDUCTOR_OPTIONS["max_autotune"]
+    if on is not None:
+        inlining.INDUCTOR_OPTIONS["max_autotune"] = on
+    try:
+        yield
+    finally:
+        inlining.INDUCTOR_OPTIONS["max_autotune"] = before
+
+
+def _marked_autotune(node) -> bool | None:
+    """True when `node` itself (a module, by `pytestmark`, or a test) is marked `autotune`, else None."""
+    return True if any(m.name == "autotune" for m in node.own_markers) else None
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_autotuning():
     """inductor's `max_autotune` benchmarks every GEMM's candidate kernels while compiling: ~4/5 of a tiny model's
     compile time. fp32 steps compile without it here (the same graphs on library GEMMs), except in tests or modules
     marked `autotune` (the real models, the shipped checkpoints, the GEMM-template tests), which compile as users
     do; half-precision steps always autotune (their row invariance needs inductor's GEMM templates)."""
-    from hf_bpd.runtime import inlining
-
-    before = inlining.INDUCTOR_OPTIONS["max_autotune"]
-    inlining.INDUCTOR_OPTIONS["max_autotune"] = False
-    yield
-    inlining.INDUCTOR_OPTIONS["max_autotune"] = before
-
-
-def _autotune_if_marked(node) -> bool:
-    """Turn `max_autotune` on when `node` (a module or a test) is marked `autotune`; returns the setting before."""
-    from hf_bpd.runtime import inlining
-
-    marked = any(m.name == "autotune" for m in node.own_markers)
-    before = inlining.INDUCTOR_OPTIONS["max_autotune"]
-    if marked:
-        inlining.INDUCTOR_OPTIONS["max_autotune"] = True
-    return before
+    with _max_autotune(False):
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)
 def autotune_marked_modules(request):
-    """A module marked `autotune` (`pytestmark`) compiles as users do, its module-scoped fixtures included."""
-    before = _autotune_if_marked(request.node)
-    yield
-    from hf_bpd.runtime import inlining
-
-    inlining.INDUCTOR_OPTIONS["max_autotune"] = before
+    """A module marked `autotune` compiles as users do, its module-scoped fixtures included."""
+    with _max_autotune(_marked_autotune(request.node)):
+        yield
 
 
 @pytest.fixture(autouse=True)
 def autotune_marked_tests(request):
     """A test marked `autotune` compiles as users do."""
-    before = _autotune_if_marked(request.node)
-    yield
-    from hf_bpd.runtime import inlining
-
-    inlining.INDUCTOR_OPTIONS["max_autotune"] = before
+    with _max_autotune(_marked_autotune(request.node)):
+        yield
 
 
 @pytest.fixture(params=ARCHS)
