@@ -33,7 +33,7 @@ def reference_drafts(monkeypatch, model, prompts, width, kwargs, branching=None,
     branching = branching if branching is not None else {"on": False}
     original = batch_module._step_trees
 
-    def step_trees(model_, plan, active, policy, shadows, num_heads, generation_config, computed=None):
+    def step_trees(model_, plan, active, policy, shadows, num_heads, generation_config, computed=None, heads_step=None):
         step = len(active[0].stats.accepted_lengths)
         drafts = []
         for row in active:
@@ -45,7 +45,7 @@ def reference_drafts(monkeypatch, model, prompts, width, kwargs, branching=None,
             drafts.append(truth[:num_heads])
         current["chains"], current["step"] = drafts, step
         current["by_drafter"] = {id(row.drafter): (row.index, chain) for row, chain in zip(active, drafts)}
-        return original(model_, plan, active, policy, shadows, num_heads, generation_config, computed)
+        return original(model_, plan, active, policy, shadows, num_heads, generation_config, computed, None)
 
     def row_drafts(drafter, hidden, context, max_length):  # a row's drafts in its node budget
         index, chain = current["by_drafter"][id(drafter)]
@@ -55,7 +55,6 @@ def reference_drafts(monkeypatch, model, prompts, width, kwargs, branching=None,
         return [chain], []
 
     monkeypatch.setattr(batch_module, "batch_chains", lambda heads, hidden, n: [list(c) for c in current["chains"]])
-    monkeypatch.setattr(batch_module, "_rows_head_top", lambda *args: None)
     monkeypatch.setattr(batch_module.BlockDrafter, "drafts", row_drafts)
     monkeypatch.setattr(batch_module, "_step_trees", step_trees)
     monkeypatch.setattr(batch_module, "_budgeted", lambda drafter: branching["on"])

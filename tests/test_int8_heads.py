@@ -119,6 +119,23 @@ def test_the_rows_call_equals_one_call_per_row(head_type, layers, arch):
         step.rows(torch.zeros(2, model.config.hidden_size + 1))
 
 
+@pytest.mark.parametrize("head_type, layers, arch", [("ffn", 2, "llama"), ("resblock", 1, "gemma3")])
+def test_the_rows_call_of_the_first_heads_equals_theirs_in_the_full_call(head_type, layers, arch):
+    """A batched step that verifies fewer depths runs only their heads (`rows(hidden, heads)`): bit for bit the
+    first heads of the call that runs them all."""
+    model = random_heads_model(head_type, layers, arch)
+    step = Int8HeadsStep(model.heads, 5)
+    hidden = torch.randn(4, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    values, indices = step.rows(hidden)
+    for heads in (1, 2, 3, 1):  # the buffers shrink and grow
+        first_values, first_indices = step.rows(hidden, heads)
+        assert first_values.shape == (4, heads, 5)
+        assert torch.equal(first_values, values[:, :heads]) and torch.equal(first_indices, indices[:, :heads])
+    for heads in (0, 4):
+        with pytest.raises(ValueError, match="1 to 3 heads"):
+            step.rows(hidden, heads)
+
+
 def test_int8_drafts_stay_close_to_the_fp32_heads():
     """Quantisation moves each weight by at most half a step: the heads' best token mostly stays the same."""
     model = random_heads_model("ffn", 1, "llama", None, hidden=64)

@@ -11,7 +11,7 @@ being built; finished rows leave its steps at once), with `compile="wait"` steps
 (finished rows ride along until the rest fit a smaller runner), also for a bf16 / int8-weight base on hf_bpd's
 kernels (whose prompts then run one by one, each as a lone call's compiled prompt pass).
 
-Drafts: the heads run once per step for every row (the int8 heads kernel's multi-row call, `_rows_head_top`), then
+Drafts: the heads run once per step for every row (the int8 heads kernel's multi-row call, `_rows_heads_step`), then
 each row drafts as the checkpoint's defaults say (its own rescorer state: rescored p-best paths and prompt lookup's
 copy competing best-first) into the step's node budget; drafters without a budget (fixed sparse trees, sequential
 heads) draft the heads' argmax chain. How many nodes the rows verify is decided per step by `batch_width.BatchWidth`
@@ -90,14 +90,13 @@ def _block_masks(trees: list[DraftTree], ragged: RaggedCache, width: int, dtype,
     return positions, (masks["full_attention"] if set(masks) == {"full_attention"} else masks)
 
 
-def _rows_head_top(model, drafter, hidden: torch.Tensor, int8) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Every row's heads step in one call: `(log-probabilities, draft-vocabulary indices)`, `(rows, heads, top_k)`
-    each, from the int8 heads kernel (`hf_bpd.runtime.int8_heads`: each weight read once for all rows), or None when
-    it does not serve these heads here (`heads_int8=False`, not on a CPU, ...)."""
+def _rows_heads_step(model, drafter, int8):
+    """The int8 heads kernel's step for every row of a step in one call (`Int8HeadsStep.rows`: each weight read once
+    for all rows), resolved once per call, or None when it does not serve these heads here (`heads_int8=False`, not
+    on a CPU, ...)."""
     if int8 is False or not isinstance(drafter, BlockDrafter):
         return None
-    step = int8_heads_step(model.heads, head_top_k(drafter.top_k, model.config.draft_size), warn=int8 is True)
-    return None if step is None else step.rows(hidden)
+    return int8_heads_step(model.heads, head_top_k(drafter.top_k, model.config.draft_size), warn=int8 is True)
 
 
 def _budgeted(drafter) -> bool:
@@ -107,12 +106,13 @@ def _budgeted(drafter) -> bool:
 
 
 def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: dict, num_heads: int,
-                generation_config, computed=None) -> list[DraftTree]:
+                generation_config, computed=None, heads_step=None) -> list[DraftTree]:
     """One step's draft trees at the width `policy` chooses: each row's drafts in `width - 1` nodes (its drafter's
     paths, rescored over the first `width - 1` heads, the depths the step verifies, and prompt lookup's copy
     best-first; a chain of the heads' argmax tokens for drafters that cannot take a budget), or no drafts (a plain
     step; shadow drafts, the heads' argmax chains, are kept for the rows when a probe is due). The heads run once for
-    every row (`_rows_head_top`)."""
+    every row (`heads_step`, the int8 kernel's `_rows_heads_step`, when given: `(log-probabilities, draft-vocabulary
+    indices)`, `(rows, heads, top_k)` each)."""
     left = [generation_config.max_length - row.sequence.shape[1] for row in active]  # the step's token included
     width = policy.choose([row.index for row in active], left, computed)
     chains, drafting_ms, budgeted = None, None, _budgeted(plan.drafter)
@@ -120,7 +120,8 @@ def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: di
     if width > 1 or (policy.max_width > 1 and policy.probe_due()):
         start = time.perf_counter()
         hidden = torch.stack([row.hidden for row in active])
-        tops = _rows_head_top(model, plan.drafter, hidden, plan.heads_int8)
+        # a drafted step verifies `width - 1` depths: only their heads run (a probe's shadow chains read every head)
+        tops = None if heads_step is None else heads_step.rows(hidden, min(width - 1, num_heads) if width > 1 else None)
         if width > 1 and budgeted:
             for r, row in enumerate(active):
                 if left[r] <= 1:
@@ -248,8 +249,9 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
         active = [row for row in rows if not row.stopped]
         ragged.select(torch.tensor([row.index for row in active], dtype=torch.long, device=device))
         num_heads = getattr(plan.drafter, "num_heads", 0)  # 0: plain steps (`use_heads=False`)
-        policy = None
+        policy, heads_step = None, None
         if not plan.row_drafts:
+            heads_step = _rows_heads_step(model, plan.drafter, plan.heads_int8) if num_heads else None
             # the widest block: as many nodes as the heads' chain (each width is a compiled shape of its own; a
             # batch step's cost grows with rows x width, so wider blocks have not paid)
             # the costs: an artifact's runner times its own steps (the eager forward's table misjudges them)
@@ -275,7 +277,7 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
                     trees.append(DraftTree(drafts))
             else:
                 trees = _step_trees(model, plan, active, policy, shadows, num_heads, generation_config,
-                                     ragged.rows_computed)
+                                    ragged.rows_computed, heads_step)
             stats.draft_seconds += time.perf_counter() - start
             width = max(len(t) for t in trees) + 1
             tokens = torch.zeros(len(active), width, dtype=torch.long, device=device)

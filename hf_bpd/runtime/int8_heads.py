@@ -109,7 +109,7 @@ def load_kernel():
             lib.bpd_int8_heads_new.restype = ptr
             lib.bpd_int8_heads_free.argtypes = [ptr]
             lib.bpd_int8_heads_free.restype = None
-            lib.bpd_int8_heads_run_rows.argtypes = [ptr, ptr, cint, cint, ptr, ptr, cint]
+            lib.bpd_int8_heads_run_rows.argtypes = [ptr, ptr, cint, cint, ptr, ptr, cint, cint]
             lib.bpd_int8_heads_run_rows.restype = None
             _library = lib
         return _library
@@ -259,20 +259,25 @@ class Int8HeadsStep:
         values, indices = self.rows(hidden.reshape(1, self.hidden_size))
         return values[0], indices[0]
 
-    def rows(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, hidden: torch.Tensor, heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The step for `n` hidden states `(n, hidden_size)` in one call (a batch's rows, each weight read once for
-        several of them): `(values, indices)`, `(n, num_heads, top_k)` each, row `r` what `self(hidden[r])` gives."""
+        several of them): `(values, indices)`, `(n, heads, top_k)` each, row `r` what `self(hidden[r])` gives for
+        its first `heads` heads (None: all; a step that verifies fewer depths than there are heads runs only
+        theirs)."""
         hidden = hidden.detach()
         if hidden.dtype != torch.float32 or not hidden.is_contiguous():
             hidden = hidden.float().contiguous()
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
             raise ValueError(f"int8 heads: hidden states (n, {self.hidden_size}), got {tuple(hidden.shape)}")
+        heads = self.num_heads if heads is None else heads
+        if not 1 <= heads <= self.num_heads:
+            raise ValueError(f"int8 heads: 1 to {self.num_heads} heads, got {heads}")
         n = hidden.shape[0]
-        values = torch.empty(n, self.num_heads, self.top_k)
-        indices = torch.empty(n, self.num_heads, self.top_k, dtype=torch.long)
+        values = torch.empty(n, heads, self.top_k)
+        indices = torch.empty(n, heads, self.top_k, dtype=torch.long)
         if n:
             self.lib.bpd_int8_heads_run_rows(self.handle, hidden.data_ptr(), n, self.top_k, values.data_ptr(),
-                                             indices.data_ptr(), torch.get_num_threads())
+                                             indices.data_ptr(), torch.get_num_threads(), heads)
         return values, indices
 
     def __del__(self):

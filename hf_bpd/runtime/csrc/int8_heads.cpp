@@ -314,15 +314,16 @@ __attribute__((visibility("default"))) void* bpd_int8_heads_new(
 
 __attribute__((visibility("default"))) void bpd_int8_heads_free(void* handle) { delete static_cast<Heads*>(handle); }
 
-// hidden (n, hidden) -> values (n, num_heads, top_k) log-probabilities best first, indices (n, num_heads, top_k)
-// into the draft vocabulary, for n hidden states in one call (a batch's rows): each weight row is read once for up
-// to 4 of the (head, row) inputs. Every output is computed as for a lone hidden state (the same sums in the same
-// order whatever n is). `threads` OpenMP threads (PyTorch's intra-op count).
+// hidden (n, hidden) -> values (n, H, top_k) log-probabilities best first, indices (n, H, top_k) into the draft
+// vocabulary, for n hidden states in one call (a batch's rows), H the first `heads` heads (all when `heads` is 0 or
+// more than there are): each weight row is read once for up to 4 of the (head, row) inputs. Every output is computed
+// as for a lone hidden state (the same sums in the same order whatever n and H are). `threads` OpenMP threads
+// (PyTorch's intra-op count).
 __attribute__((visibility("default"))) void bpd_int8_heads_run_rows(void* handle, const float* hidden, int n,
                                                                      int top_k, float* values, int64_t* indices,
-                                                                     int threads) {
+                                                                     int threads, int heads) {
   Heads& h = *static_cast<Heads*>(handle);
-  const int H = h.num_heads, d = h.hidden, per_block = h.kind == 0 ? 2 : 1;
+  const int H = heads > 0 && heads < h.num_heads ? heads : h.num_heads, d = h.hidden, per_block = h.kind == 0 ? 2 : 1;
   const size_t inputs = static_cast<size_t>(H) * n;  // laid out [head][row]: a head's n inputs are contiguous
   if (h.states.size() < inputs * d) {
     h.states.resize(inputs * d);
