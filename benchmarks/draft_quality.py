@@ -15,6 +15,10 @@ Timing-free: the figures do not depend on the machine's load.
 
 `--drafters` adds feature-level drafters (`training/train_drafter.py`) for the first checkpoint's base: the block
 efficiency of their chain drafts at each `--depths` (`hf_bpd.evaluation.drafter_quality`), along the same references.
+`--union-budgets 7` adds a ceiling for drafting with both: the first checkpoint's default drafted block
+(`BlockDrafter.drafts` as its generation config sets it up: rescored paths and prompt lookup's copy in a budget of
+that many nodes, every node verified), each drafter's full top-k tree (`--tree-top-k`, at each depth) and the two
+verified together (at every step the longer of their accepted drafts).
 """
 
 from __future__ import annotations
@@ -95,6 +99,38 @@ def drafter_rows(paths, base, tokenizer, questions, refs, depths) -> list[dict]:
     return rows
 
 
+def union_rows(model, paths, along, budgets, depths, top_ks) -> list[dict]:
+    """Block efficiency of `model`'s default drafted block at each node budget, of each drafter's full top-k trees,
+    and of both verified together (`--union-budgets`)."""
+    from hf_bpd.evaluation import drafter_quality as dq
+    from hf_bpd.feature_drafter import FeatureDrafter
+    from hf_bpd.generation.config import drafting_options
+    from hf_bpd.generation.decoding import plan_drafting
+
+    drafter = plan_drafting(model, drafting_options({}, None, model.generation_config)).drafter
+    blocks = {}
+    for budget in budgets:
+        drafter.slots = budget
+        blocks[budget] = [dq.block_accepted_by_position(drafter, feats, ids, n) for ids, n, feats in along]
+    rows = [{"drafts": f"default block, {b} nodes", "block_efficiency":
+             dq.block_efficiency([dq.walk(n, acc) for (_, n, _), acc in zip(along, blocks[b])])} for b in budgets]
+    for path in paths:
+        feature = FeatureDrafter.load(path, model.base_lm).float()
+        for depth in depths:
+            trees = [dq.tree_accepted_by_position(feature, feats, ids, n, depth, top_ks) for ids, n, feats in along]
+            for k in top_ks:
+                rows.append({"drafts": f"{path}: top-{k} tree, depth {depth}", "block_efficiency": dq.block_efficiency(
+                    [dq.walk(n, t[k]) for (_, n, _), t in zip(along, trees)])})
+                for b in budgets:
+                    both = [dq.walk(n, [max(x, y) for x, y in zip(acc, t[k])])
+                            for (_, n, _), acc, t in zip(along, blocks[b], trees)]
+                    rows.append({"drafts": f"default block, {b} nodes + {path}: top-{k} tree, depth {depth}",
+                                 "block_efficiency": dq.block_efficiency(both)})
+    for row in rows:
+        print(f"{row['drafts']}: block efficiency {row['block_efficiency']:.3f}", flush=True)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoints", nargs="+", required=True, help="heads checkpoint directories (same base)")
@@ -116,6 +152,10 @@ def main(argv=None):
                    help="feature-level drafters (folders written by training/train_drafter.py) for the first "
                         "checkpoint's base: their chain block efficiency along the same references")
     p.add_argument("--depths", default="4,6", help="drafting depths for --drafters")
+    p.add_argument("--union-budgets", default=None,
+                   help="with --drafters: node budgets of the first checkpoint's default block, e.g. 7, for the "
+                        "ceiling of verifying it together with each drafter's full top-k tree")
+    p.add_argument("--tree-top-k", default="1,2,4", help="tree widths for --union-budgets")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
@@ -159,8 +199,19 @@ def main(argv=None):
                   f"{s['vanilla']['block_efficiency']:.3f}  + n-gram {rescored:.3f}  oracle "
                   + " ".join(f"top-{k} {v:.3f}" for k, v in s["oracle_block_efficiency"].items()), flush=True)
         model.config.num_heads = all_heads
+    depths = [int(d) for d in args.depths.split(",")]
     if args.drafters:
-        rows += drafter_rows(args.drafters, base, tokenizer, questions, refs, [int(d) for d in args.depths.split(",")])
+        rows += drafter_rows(args.drafters, base, tokenizer, questions, refs, depths)
+    if args.drafters and args.union_budgets:
+        from hf_bpd.evaluation.drafter_quality import base_features
+
+        along = []
+        for q in questions:
+            ids = torch.tensor(refs[str(q["id"])])
+            n = encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], None)["input_ids"].shape[1]
+            along.append((ids, n, base_features(base, ids)))
+        rows += union_rows(first, args.drafters, along, [int(b) for b in args.union_budgets.split(",")], depths,
+                           [int(k) for k in args.tree_top_k.split(",")])
     if args.output:
         Path(args.output).write_text(json.dumps({"settings": vars(args), "results": rows}, indent=1))
         print(f"wrote {args.output}")

@@ -199,10 +199,16 @@ def test_the_scripts_extract_train_and_measure(tiny_chat_base, tmp_path):
     assert record["command"].startswith("python training/train_drafter.py --features")
     done = run("benchmarks/draft_quality.py", "--checkpoints", str(checkpoint), "--questions", str(questions),
                "--max-new-tokens", "12", "--rescorer-from", "", "--drafters", str(tmp_path / "d"), "--depths", "2,3",
-               "--threads", "1", "--output", str(tmp_path / "dq.json"))
+               "--union-budgets", "2", "--tree-top-k", "1,2", "--threads", "1", "--output", str(tmp_path / "dq.json"))
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = [r for r in json.loads((tmp_path / "dq.json").read_text())["results"] if "drafter" in r]
+    results = json.loads((tmp_path / "dq.json").read_text())["results"]
+    rows = [r for r in results if "drafter" in r]
     assert [r["depth"] for r in rows] == [2, 3] and all(1.0 <= r["block_efficiency"] <= 4.0 for r in rows)
+    union = {r["drafts"]: r["block_efficiency"] for r in results if "drafts" in r}
+    assert len(union) == 1 + 2 * 2 * 2 and all(1.0 <= v <= 4.0 for v in union.values())
+    for name, value in union.items():  # verified together: at least what each verifies alone
+        if name.startswith("default block, 2 nodes + "):
+            assert value >= max(union["default block, 2 nodes"], union[name.removeprefix("default block, 2 nodes + ")])
 
 
 def test_online_training_side_by_side_with_heads(tiny_chat_base, tmp_path):
@@ -290,6 +296,34 @@ def _repeating_model(tmp_path):
     drafter.save(tmp_path / "drafter", dtype=None)
     model.load_feature_drafter(tmp_path / "drafter")
     return model
+
+
+def test_acceptance_by_position_walks_as_decoding_does_and_unites_drafters(tmp_path):
+    """`tree_accepted_by_position` walked (`walk`) gives the chain's steps; a wider tree accepts at least as much
+    at every position; `block_accepted_by_position` walked gives the steps eager `generate()` takes with the same
+    heads drafter (every node verified); two drafters verified together accept the longer draft at each position."""
+    from hf_bpd.evaluation import drafter_quality as dq
+    from hf_bpd.generation.config import drafting_options
+    from hf_bpd.generation.decoding import plan_drafting
+
+    model = _repeating_model(tmp_path)
+    base, drafter = model.base_lm, model.feature_drafter
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(3))
+    ids = base.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=None)[0]
+    features = dq.base_features(base, ids)
+    trees = dq.tree_accepted_by_position(drafter, features, ids, 5, 3, (1, 2))
+    for k in (1, 2):
+        assert dq.walk(5, trees[k]) == (len(ids) - 5, dq.chain_accepted_lengths(drafter, features, ids, 5, 3, k))
+    assert all(wide >= narrow for narrow, wide in zip(trees[1], trees[2])) and sum(trees[1]) > 0
+
+    options = dict(prompt_lookup=True, draft_nodes=3, draft_schedule="fixed", rescorer=None)
+    heads = plan_drafting(model, drafting_options(dict(options), None, model.generation_config)).drafter
+    block = dq.block_accepted_by_position(heads, features, ids, 5)
+    model.generate(ids[None, :5], max_new_tokens=len(ids) - 5, do_sample=False, eos_token_id=None,
+                   pad_token_id=None, compile=False, **options)
+    assert dq.walk(5, block)[1] == model.last_generation_stats.accepted_lengths[1:] and sum(block) > 0
+    both = dq.walk(5, [max(a, b) for a, b in zip(block, trees[1])])
+    assert dq.block_efficiency([both]) >= max(dq.block_efficiency([dq.walk(5, t)]) for t in (block, trees[1]))
 
 
 @pytest.mark.parametrize("options", [{}, {"prompt_lookup": True}, {"draft_depth": 1}, {"draft_depth": 6},

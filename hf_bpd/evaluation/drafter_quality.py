@@ -26,6 +26,46 @@ def base_features(base, ids: torch.Tensor, layers=None) -> torch.Tensor | dict[s
     return {f"hidden_{i}": out.hidden_states[-1 if i == -1 else i + 1][0] for i in layers}
 
 
+def _drafter_context(drafter, features, ids: torch.Tensor):
+    """One teacher-forced drafter pass along `ids`: `(its hidden states (1, n-1, hidden), its keys and values at
+    every position, the positions (1, n))`, the context each step cuts at its own position."""
+    n = len(ids)
+    if isinstance(features, dict):  # the base's hidden states by layer: what this drafter reads of them
+        features = drafter.read_features(features)
+    feats = features.to(drafter.fuse.weight.dtype)[None]
+    positions = torch.arange(n, device=feats.device)[None]
+    context = DynamicCache(config=drafter.config)
+    hidden = drafter(feats[:, :n - 1], ids[None, 1:], positions[:, :n - 1], context)
+    layer = context.layers[0]
+    return hidden, layer.keys, layer.values, positions
+
+
+def _tree_accepted(drafter, along, ids: torch.Tensor, last: int, depth: int, top_ks) -> dict[int, int]:
+    """`{k: draft tokens accepted}` of a full top-k tree of the drafter at the step that guesses `ids[last]` first
+    (`along`: `_drafter_context`): a token counts when it is among the drafter's k most likely at its depth (the
+    drafter's argmax for k = 1), and the drafter reads the reference's token for the next depth."""
+    hidden, keys, values, positions = along
+    p, room = last - 2, min(depth, len(ids) - last)  # the position whose feature produced the last token
+    cache = DynamicCache(config=drafter.config)
+    cache.update(keys[:, :, :p + 1], values[:, :, :p + 1], 0)
+    state, counts, alive, widest = hidden[:, p:p + 1], dict.fromkeys(top_ks, 0), set(top_ks), max(top_ks)
+    for d in range(room):
+        logits = drafter.logits(state)[0, -1]
+        want = int(ids[last + d])
+        best = int(drafter.to_vocab_ids(logits.argmax(-1)))
+        top = drafter.to_vocab_ids(logits.topk(widest).indices).tolist() if widest > 1 else [best]
+        for k in list(alive):
+            if want == best or (k > 1 and want in top[:k]):
+                counts[k] += 1
+            else:
+                alive.discard(k)
+        if not alive:
+            break
+        if d + 1 < room:
+            state = drafter(state, ids[last + d].view(1, 1), positions[:, p + 1 + d:p + 2 + d], cache)
+    return counts
+
+
 @torch.no_grad()
 def chain_accepted_lengths(drafter, features: torch.Tensor, ids: torch.Tensor, prompt_length: int,
                            depth: int, top_k: int = 1) -> list[int]:
@@ -35,39 +75,59 @@ def chain_accepted_lengths(drafter, features: torch.Tensor, ids: torch.Tensor, p
     n = len(ids)
     if n - prompt_length < 2:
         return []
-    dtype = drafter.fuse.weight.dtype
-    if isinstance(features, dict):  # the base's hidden states by layer: what this drafter reads of them
-        features = drafter.read_features(features)
-    feats = features.to(dtype)[None]
-    positions = torch.arange(n, device=feats.device)[None]
-    context = DynamicCache(config=drafter.config)
-    hidden = drafter(feats[:, :n - 1], ids[None, 1:], positions[:, :n - 1], context)  # (1, n-1, hidden)
-    layer = context.layers[0]
-    keys, values = layer.keys, layer.values
-    reference = ids.tolist()
+    along = _drafter_context(drafter, features, ids)
     accepted, last = [], prompt_length + 1  # the prompt pass decoded token `prompt_length`
     while last < n:
-        p = last - 2  # the position whose feature produced the last token
-        room = min(depth, n - last)
-        cache = DynamicCache(config=drafter.config)
-        cache.update(keys[:, :, :p + 1], values[:, :, :p + 1], 0)
-        state, count = hidden[:, p:p + 1], 0
-        for d in range(room):
-            logits = drafter.logits(state)[0, -1]
-            if top_k == 1:
-                token = drafter.to_vocab_ids(logits.argmax(-1))
-                if int(token) != reference[last + d]:
-                    break
-            else:
-                if reference[last + d] not in drafter.to_vocab_ids(logits.topk(top_k).indices).tolist():
-                    break
-                token = ids[last + d]
-            count += 1
-            if d + 1 < room:
-                state = drafter(state, token.view(1, 1), positions[:, p + 1 + d:p + 2 + d], cache)
+        count = _tree_accepted(drafter, along, ids, last, depth, (top_k,))[top_k]
         accepted.append(count)
         last += count + 1
     return accepted
+
+
+@torch.no_grad()
+def tree_accepted_by_position(drafter, features, ids: torch.Tensor, prompt_length: int, depth: int,
+                              top_ks=(1,)) -> dict[int, list[int]]:
+    """`{k: accepted}`: what a full top-k tree of the drafter (see `chain_accepted_lengths`) accepts at every step
+    start `last` from `prompt_length + 1` on (`accepted[last - prompt_length - 1]`), whichever steps came before:
+    what `walk` combines with other drafts."""
+    out = {k: [] for k in top_ks}
+    if len(ids) - prompt_length < 2:
+        return out
+    along = _drafter_context(drafter, features, ids)
+    for last in range(prompt_length + 1, len(ids)):
+        for k, count in _tree_accepted(drafter, along, ids, last, depth, top_ks).items():
+            out[k].append(count)
+    return out
+
+
+@torch.no_grad()
+def block_accepted_by_position(block_drafter, features: torch.Tensor, ids: torch.Tensor, prompt_length: int
+                               ) -> list[int]:
+    """What a heads drafter's drafted block (`hf_bpd.generation.drafting.BlockDrafter.drafts`: its rescored paths
+    and prompt lookup's copy in its node budget, every node verified) accepts at every step start `last` (as
+    `tree_accepted_by_position`): the longest of its drafts' prefixes that the continuation follows."""
+    if isinstance(features, dict):
+        features = features["hidden_-1"]
+    reference = ids.tolist()
+    if getattr(block_drafter.rescorer, "reset", None):
+        block_drafter.rescorer.reset()
+    out = []
+    for last in range(prompt_length + 1, len(ids)):
+        drafts, _ = block_drafter.drafts(features[last - 2], reference[:last], len(ids) - last)
+        follows = [next((i for i, (a, b) in enumerate(zip(d, reference[last:])) if a != b), len(d)) for d in drafts]
+        out.append(max(follows, default=0))
+    return out
+
+
+def walk(prompt_length: int, accepted: list[int]) -> tuple[int, list[int]]:
+    """`(new tokens, accepted lengths per step)` of greedy decoding whose step starting at `last` accepts
+    `accepted[last - prompt_length - 1]` draft tokens (by position, as `tree_accepted_by_position` gives them; the
+    best of several drafters' per position is their drafts verified together), for `block_efficiency`."""
+    steps, last = [], 0
+    while last < len(accepted):
+        steps.append(accepted[last])
+        last += accepted[last] + 1
+    return len(accepted) + 1, steps
 
 
 def block_efficiency(runs: list[tuple[int, list[int]]]) -> float:
