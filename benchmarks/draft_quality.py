@@ -74,8 +74,9 @@ def decoded(model, tokenizer, questions, refs, rescorer, max_new_tokens: int) ->
     return {"block_efficiency": tokens / max(calls, 1), "exact": exact}
 
 
-def drafter_rows(paths, base, tokenizer, questions, refs, depths) -> list[dict]:
-    """The chain block efficiency of each feature-level drafter at each depth (`hf_bpd.evaluation.drafter_quality`)."""
+def drafters_along(paths, base, tokenizer, questions, refs) -> tuple[dict, list]:
+    """The feature-level drafters at `paths`, and `[(reference ids, prompt length, base features)]` per question
+    (the features every one of them reads), computed once for `drafter_rows` and `union_rows`."""
     from hf_bpd.evaluation import drafter_quality
     from hf_bpd.feature_drafter import FeatureDrafter
 
@@ -86,6 +87,13 @@ def drafter_rows(paths, base, tokenizer, questions, refs, depths) -> list[dict]:
         ids = torch.tensor(refs[str(q["id"])])
         n = encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], None)["input_ids"].shape[1]
         along.append((ids, n, drafter_quality.base_features(base, ids, layers)))
+    return drafters, along
+
+
+def drafter_rows(drafters, along, depths) -> list[dict]:
+    """The chain block efficiency of each feature-level drafter at each depth (`hf_bpd.evaluation.drafter_quality`)."""
+    from hf_bpd.evaluation import drafter_quality
+
     rows = []
     for path, drafter in drafters.items():
         trained = json.loads((Path(path) / "training.json").read_text()).get("tokens")
@@ -99,11 +107,10 @@ def drafter_rows(paths, base, tokenizer, questions, refs, depths) -> list[dict]:
     return rows
 
 
-def union_rows(model, paths, along, budgets, depths, top_ks) -> list[dict]:
+def union_rows(model, drafters, along, budgets, depths, top_ks) -> list[dict]:
     """Block efficiency of `model`'s default drafted block at each node budget, of each drafter's full top-k trees,
     and of both verified together (`--union-budgets`)."""
     from hf_bpd.evaluation import drafter_quality as dq
-    from hf_bpd.feature_drafter import FeatureDrafter
     from hf_bpd.generation.config import drafting_options
     from hf_bpd.generation.decoding import plan_drafting
 
@@ -113,17 +120,15 @@ def union_rows(model, paths, along, budgets, depths, top_ks) -> list[dict]:
         drafter.slots = budget
         blocks[budget] = [dq.block_accepted_by_position(drafter, feats, ids, n) for ids, n, feats in along]
     rows = [{"drafts": f"default block, {b} nodes", "block_efficiency":
-             dq.block_efficiency([dq.walk(n, acc) for (_, n, _), acc in zip(along, blocks[b])])} for b in budgets]
-    for path in paths:
-        feature = FeatureDrafter.load(path, model.base_lm).float()
+             dq.block_efficiency([dq.walk(acc) for acc in blocks[b]])} for b in budgets]
+    for path, feature in drafters.items():
         for depth in depths:
             trees = [dq.tree_accepted_by_position(feature, feats, ids, n, depth, top_ks) for ids, n, feats in along]
             for k in top_ks:
                 rows.append({"drafts": f"{path}: top-{k} tree, depth {depth}", "block_efficiency": dq.block_efficiency(
-                    [dq.walk(n, t[k]) for (_, n, _), t in zip(along, trees)])})
+                    [dq.walk(t[k]) for t in trees])})
                 for b in budgets:
-                    both = [dq.walk(n, [max(x, y) for x, y in zip(acc, t[k])])
-                            for (_, n, _), acc, t in zip(along, blocks[b], trees)]
+                    both = [dq.walk([max(x, y) for x, y in zip(acc, t[k])]) for acc, t in zip(blocks[b], trees)]
                     rows.append({"drafts": f"default block, {b} nodes + {path}: top-{k} tree, depth {depth}",
                                  "block_efficiency": dq.block_efficiency(both)})
     for row in rows:
@@ -199,19 +204,13 @@ def main(argv=None):
                   f"{s['vanilla']['block_efficiency']:.3f}  + n-gram {rescored:.3f}  oracle "
                   + " ".join(f"top-{k} {v:.3f}" for k, v in s["oracle_block_efficiency"].items()), flush=True)
         model.config.num_heads = all_heads
-    depths = [int(d) for d in args.depths.split(",")]
     if args.drafters:
-        rows += drafter_rows(args.drafters, base, tokenizer, questions, refs, depths)
-    if args.drafters and args.union_budgets:
-        from hf_bpd.evaluation.drafter_quality import base_features
-
-        along = []
-        for q in questions:
-            ids = torch.tensor(refs[str(q["id"])])
-            n = encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], None)["input_ids"].shape[1]
-            along.append((ids, n, base_features(base, ids)))
-        rows += union_rows(first, args.drafters, along, [int(b) for b in args.union_budgets.split(",")], depths,
-                           [int(k) for k in args.tree_top_k.split(",")])
+        depths = [int(d) for d in args.depths.split(",")]
+        drafters, along = drafters_along(args.drafters, base, tokenizer, questions, refs)
+        rows += drafter_rows(drafters, along, depths)
+        if args.union_budgets:
+            rows += union_rows(first, drafters, along, [int(b) for b in args.union_budgets.split(",")], depths,
+                               [int(k) for k in args.tree_top_k.split(",")])
     if args.output:
         Path(args.output).write_text(json.dumps({"settings": vars(args), "results": rows}, indent=1))
         print(f"wrote {args.output}")

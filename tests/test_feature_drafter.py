@@ -313,7 +313,7 @@ def test_acceptance_by_position_walks_as_decoding_does_and_unites_drafters(tmp_p
     features = dq.base_features(base, ids)
     trees = dq.tree_accepted_by_position(drafter, features, ids, 5, 3, (1, 2))
     for k in (1, 2):
-        assert dq.walk(5, trees[k]) == (len(ids) - 5, dq.chain_accepted_lengths(drafter, features, ids, 5, 3, k))
+        assert dq.walk(trees[k]) == (len(ids) - 5, dq.chain_accepted_lengths(drafter, features, ids, 5, 3, k))
     assert all(wide >= narrow for narrow, wide in zip(trees[1], trees[2])) and sum(trees[1]) > 0
 
     options = dict(prompt_lookup=True, draft_nodes=3, draft_schedule="fixed", rescorer=None)
@@ -321,9 +321,9 @@ def test_acceptance_by_position_walks_as_decoding_does_and_unites_drafters(tmp_p
     block = dq.block_accepted_by_position(heads, features, ids, 5)
     model.generate(ids[None, :5], max_new_tokens=len(ids) - 5, do_sample=False, eos_token_id=None,
                    pad_token_id=None, compile=False, **options)
-    assert dq.walk(5, block)[1] == model.last_generation_stats.accepted_lengths[1:] and sum(block) > 0
-    both = dq.walk(5, [max(a, b) for a, b in zip(block, trees[1])])
-    assert dq.block_efficiency([both]) >= max(dq.block_efficiency([dq.walk(5, t)]) for t in (block, trees[1]))
+    assert dq.walk(block)[1] == model.last_generation_stats.accepted_lengths[1:] and sum(block) > 0
+    both = dq.walk([max(a, b) for a, b in zip(block, trees[1])])
+    assert dq.block_efficiency([both]) >= max(dq.block_efficiency([dq.walk(t)]) for t in (block, trees[1]))
 
 
 @pytest.mark.parametrize("options", [{}, {"prompt_lookup": True}, {"draft_depth": 1}, {"draft_depth": 6},

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .analysis import accepted_length, simulated_steps
+
 
 @torch.no_grad()
 def base_features(base, ids: torch.Tensor, layers=None) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -109,25 +111,21 @@ def block_accepted_by_position(block_drafter, features: torch.Tensor, ids: torch
     if isinstance(features, dict):
         features = features["hidden_-1"]
     reference = ids.tolist()
-    if getattr(block_drafter.rescorer, "reset", None):
-        block_drafter.rescorer.reset()
+    block_drafter.rescorer.reset()
     out = []
     for last in range(prompt_length + 1, len(ids)):
         drafts, _ = block_drafter.drafts(features[last - 2], reference[:last], len(ids) - last)
-        follows = [next((i for i, (a, b) in enumerate(zip(d, reference[last:])) if a != b), len(d)) for d in drafts]
-        out.append(max(follows, default=0))
+        out.append(max((accepted_length(d, reference[last:]) for d in drafts), default=0))
     return out
 
 
-def walk(prompt_length: int, accepted: list[int]) -> tuple[int, list[int]]:
-    """`(new tokens, accepted lengths per step)` of greedy decoding whose step starting at `last` accepts
-    `accepted[last - prompt_length - 1]` draft tokens (by position, as `tree_accepted_by_position` gives them; the
-    best of several drafters' per position is their drafts verified together), for `block_efficiency`."""
-    steps, last = [], 0
-    while last < len(accepted):
-        steps.append(accepted[last])
-        last += accepted[last] + 1
-    return len(accepted) + 1, steps
+def walk(accepted: list[int]) -> tuple[int, list[int]]:
+    """`(new tokens, accepted lengths per step)`, for `block_efficiency`, of greedy decoding whose step after new
+    token `j` accepts `accepted[j]` draft tokens (by position, as `tree_accepted_by_position` gives them; the best of
+    several drafters' per position is their drafts verified together): the steps of
+    `hf_bpd.evaluation.analysis.simulated_steps`."""
+    new_tokens = len(accepted) + 1
+    return new_tokens, [accepted[j] for j in simulated_steps(accepted, new_tokens)]
 
 
 def block_efficiency(runs: list[tuple[int, list[int]]]) -> float:

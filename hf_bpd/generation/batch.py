@@ -121,7 +121,7 @@ def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: di
         start = time.perf_counter()
         hidden = torch.stack([row.hidden for row in active])
         # a drafted step verifies `width - 1` depths: only their heads run (a probe's shadow chains read every head)
-        tops = None if heads_step is None else heads_step.rows(hidden, min(width - 1, num_heads) if width > 1 else None)
+        tops = None if heads_step is None else heads_step.rows(hidden, width - 1 if width > 1 else None)
         if width > 1 and budgeted:
             for r, row in enumerate(active):
                 if left[r] <= 1:
