@@ -136,9 +136,10 @@ def test_smollm2_greedy_equals_base_generate(smollm2):
     assert all(a > 0 for a in accepted.values()), accepted
 
 
+@pytest.mark.artifacts  # verified on the step install.sh built, as users' calls are (in-process compiling: above)
 def test_smollm2_feature_drafter_equals_base_generate(smollm2):
-    """The shipped checkpoint's feature-level drafter (`generate(drafter="feature")`) on the real base: identical to
-    greedy `generate()`, and its drafts are accepted."""
+    """The shipped checkpoint's feature-level drafter (`generate(drafter="feature")`) on the real base, verified on
+    the base's artifact: identical to greedy `generate()`, and its drafts are accepted."""
     base, tokenizer = smollm2
     from pathlib import Path
 
@@ -156,4 +157,5 @@ def test_smollm2_feature_drafter_equals_base_generate(smollm2):
             pytest.fail(f"drafter='feature' differs from greedy on {prompt!r} at position {pos}: top-2 logit margin "
                         f"there is {margin:.2e}")
         accepted += sum(model.last_generation_stats.accepted_lengths)
+        assert model.last_generation_stats.verifier == "artifact"
     assert accepted > 4 * 5
