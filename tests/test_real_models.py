@@ -8,6 +8,7 @@ from hf_bpd import BaseModelError, BlockwiseParallelForCausalLM
 from hf_bpd.hub.base_models import PACKAGED_MODELS, PackagedModel
 
 pytestmark = pytest.mark.autotune  # compiled as users compile (see tests/conftest.py)
+INSTALL_THREADS = 2  # the thread count install.sh builds the shipped checkpoint's compiled step for
 
 PROMPTS = [
     "The capital of France is",
@@ -143,9 +144,24 @@ def test_smollm2_feature_drafter_equals_base_generate(smollm2):
     base, tokenizer = smollm2
     from pathlib import Path
 
+    from hf_bpd.runtime import artifacts
+
+    key = artifacts.artifact_key(base, threads=INSTALL_THREADS)
+    assert artifacts.valid(artifacts.key_dir(key), key), (
+        f"no compiled step for this machine: run `hf-bpd compile checkpoints/smollm2-135m-instruct-bpd --threads "
+        f"{INSTALL_THREADS}` (install.sh does)")
     checkpoint = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct-bpd"
     model = BlockwiseParallelForCausalLM.from_pretrained(checkpoint, base_model=base)
     assert model.feature_drafter is not None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(INSTALL_THREADS)  # the artifact's thread count (earlier tests may have left another)
+    try:
+        _feature_drafter_is_exact(model, base, tokenizer)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _feature_drafter_is_exact(model, base, tokenizer):
     accepted = 0
     for prompt in SMOL_PROMPTS[1::5]:
         inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
