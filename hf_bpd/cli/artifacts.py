@@ -44,7 +44,8 @@ def cmd_compile(args) -> int:
     largest = _largest_block(model, args)
     log = lambda m: print(f"hf-bpd: {m}", file=sys.stderr)  # noqa: E731
     path = artifacts.build(base, args.threads, log=log)
-    batch_step = not args.no_batch_step and batched_artifact_unsupported_reason(base, 2) is None
+    batch_step = (not args.no_batch_step and batched_artifact_unsupported_reason(base, 2) is None
+                  and artifacts.one_token_unsupported_reason(base) is None)
     if batch_step:
         artifacts.build(base, args.threads, log=log, graph=artifacts.ONE_TOKEN)
     print(f"{path} ready ({time.perf_counter() - start:.0f} s); generate(compile=True) with {args.threads} threads "

@@ -170,7 +170,8 @@ def _compiled_runner(base, rows: int, needed_length: int, wait: bool):
                 return None
     runner = batched_runner(base, rows, needed_length, artifact) if reason is None else None
     if runner is not None and artifact is not None:
-        runner.one_token = background.ready_artifact(base, artifacts.ONE_TOKEN) if rows > 1 else None
+        one_token = rows > 1 and artifacts.one_token_unsupported_reason(base) is None
+        runner.one_token = background.ready_artifact(base, artifacts.ONE_TOKEN) if one_token else None
     if reason is None and runner is None:
         reason = f"a static cache of {rows} rows x {needed_length} tokens would be too large"
     if runner is None:

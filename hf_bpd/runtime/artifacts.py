@@ -22,7 +22,9 @@ being static (the step's is dynamic), the tuning for 16 rows and the stacked hea
 SmolLM2's 16-row one-token step: 66.1 ms against 70.9 on the step (minimum of 8 alternating medians; 4 rows 36.7 vs
 38.6, 8 rows 46.8 vs 48.3; Intel Xeon AVX-512, 2 threads, 300 cached tokens). It is built when a batch first runs
 on the artifact (in the background, like the step: the step serves those steps until it is there), or by `hf-bpd
-compile`.
+compile`. A base with sliding-window layers (Gemma-3) has no one-token batch step; its step takes the sliding layers'
+mask as an input of its own (`_WindowedStep`), so a batch's rows, whose slots hold other positions than their index,
+pass the windows they built, and a lone call's is derived from its full mask (`step.window_mask`).
 
 An artifact is valid for what it was built from, all in its key: the base's weights (a fingerprint of every tensor),
 dtype and config, the torch / transformers / hf_bpd versions, the CPU's instruction set and flags (an artifact built
@@ -48,12 +50,14 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import attention_implementation, stacked_query_attention
 from .ordered_attention import uses_ordered_attention
-from .step import VerificationStep, compile_unsupported_reason, kv_layout, verification_cache
+from .step import VerificationStep, compile_unsupported_reason, kv_layout, sliding_window_of, verification_cache, \
+    window_mask
 
 FORMAT = 3  # bump when the exported step changes
 STEP, ONE_TOKEN = "step", "one_token"  # the graphs of an artifact: every block, and one token per row (batches)
 ONE_TOKEN_FORMAT = 1  # bump when the exported one-token batch step changes
 ONE_TOKEN_ROWS = 16  # the one-token batch step's example rows (inductor tunes its kernels for that many tokens)
+WINDOWED_FORMAT = 1  # bump when the step of sliding-window bases (its second mask input) changes
 MAX_BLOCK = 16  # block lengths one artifact serves (1..MAX_BLOCK)
 MAX_ROWS = 64  # batch rows one artifact serves (1..MAX_ROWS)
 MAX_CONTEXT = 32768
@@ -142,7 +146,9 @@ def artifact_key(base, threads: int | None = None) -> dict:
             "cpu": torch.backends.cpu.get_cpu_capability(), "threads": threads or torch.get_num_threads(),
             # every CPU flag: inductor's GEMM code uses AMX tiles where they are, which the capability does not name
             "cpu_flags": hashlib.sha256(cpu_features().encode()).hexdigest()[:16],
-            "max_block": MAX_BLOCK, "max_rows": MAX_ROWS}
+            "max_block": MAX_BLOCK, "max_rows": MAX_ROWS,
+            # sliding-window bases: the step takes the sliding layers' mask as an input of its own
+            **({"windowed": WINDOWED_FORMAT} if sliding_window_of(base) is not None else {})}
 
 
 def key_dir(key: dict) -> Path:
@@ -180,6 +186,23 @@ class _Step(VerificationStep):
         return super().forward(input_ids, position_ids, cache_position, attention_mask)
 
 
+class _WindowedStep(_Step):
+    """The exported unit of a base with sliding-window layers: both layer types' masks are inputs, so a batch's rows
+    (whose slots hold other positions than their index) pass the windows they built (`hf_bpd.generation.batch`)."""
+
+    def forward(self, input_ids, position_ids, attention_mask, sliding_mask, length, kv):
+        masks = {"full_attention": attention_mask, "sliding_attention": sliding_mask}
+        return super().forward(input_ids, position_ids, masks, length, kv)
+
+
+def one_token_unsupported_reason(base) -> str | None:
+    """Why `base`'s artifact has no one-token batch step (None when it can have one): sliding-window bases run
+    their batches' one-token steps on the step (each graph of theirs holds the 268M-parameter output layer again)."""
+    if sliding_window_of(base) is not None:
+        return "sliding-window bases run a batch's one-token steps on the step"
+    return None
+
+
 def _example(base, capacity: int = 64, block: int = 4, past: int = 8, rows: int = 2):
     heads, head_dim = kv_layout(base.config)
     cache = verification_cache(base.config, capacity)
@@ -200,12 +223,15 @@ def export_step(base, graph: str = STEP):
     block = torch.export.Dim.STATIC if one_token else torch.export.Dim("block", min=1, max=MAX_BLOCK)
     attended = torch.export.Dim("attended", min=2, max=MAX_CONTEXT)
     capacity = torch.export.Dim("capacity", min=16, max=MAX_CONTEXT)
-    shapes = {"input_ids": {0: rows, 1: block}, "position_ids": {0: rows, 1: block},
-              "attention_mask": {0: rows, 2: block, 3: attended}, "length": None,
-              "kv": [{0: rows, 2: capacity}] * len(args[-1])}
+    mask = {0: rows, 2: block, 3: attended}
+    shapes = {"input_ids": {0: rows, 1: block}, "position_ids": {0: rows, 1: block}, "attention_mask": mask,
+              "length": None, "kv": [{0: rows, 2: capacity}] * len(args[-1])}
+    step = _Step
+    if sliding_window_of(base) is not None:  # the sliding layers' mask: an input of its own, after the full one
+        step, args, shapes = _WindowedStep, args[:3] + (args[2].clone(),) + args[3:], {**shapes, "sliding_mask": mask}
     attention = ONE_TOKEN_ATTENTION_NAME if one_token else ATTENTION_NAME
     with torch.no_grad(), attention_implementation(base, attention):
-        return torch.export.export(_Step(base, cache).eval(), args, dynamic_shapes=shapes, strict=False)
+        return torch.export.export(step(base, cache).eval(), args, dynamic_shapes=shapes, strict=False)
 
 
 def _sha256(path: Path) -> str:
@@ -274,17 +300,27 @@ def valid(directory: Path, key: dict, graph: str = STEP) -> bool:
 
 
 class Artifact:
-    """A loaded artifact: `(logits, hidden) = artifact(input_ids, position_ids, attention_mask, length, kv)`."""
+    """A loaded artifact: `(logits, hidden) = artifact(input_ids, position_ids, attention_mask, length, kv)`. A
+    sliding-window base's `attention_mask` is its full layers' mask (the sliding layers' is derived from it, slot `i`
+    holding position `i`: `window_mask`) or a dict of both (`"full_attention"`, `"sliding_attention"`: batches)."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, window: int | None = None):
+        self.path, self.window = path, window
         self.model = torch._inductor.aoti_load_package(str(path))
 
     def __call__(self, input_ids, position_ids, attention_mask, length, kv):
-        return self.model(input_ids, position_ids, attention_mask, length, kv)
+        if self.window is None:
+            return self.model(input_ids, position_ids, attention_mask, length, kv)
+        if isinstance(attention_mask, dict):  # (a base of one layer type: its mask stands in for the other's)
+            full = attention_mask.get("full_attention", attention_mask.get("sliding_attention"))
+            sliding = attention_mask.get("sliding_attention", full)
+        else:
+            full, sliding = attention_mask, window_mask(attention_mask, position_ids, self.window)
+        return self.model(input_ids, position_ids, full, sliding, length, kv)
 
 
-_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> {graph: Artifact (None: none on disk)}
+# base -> {(graph, threads): Artifact (None: none on disk)}; the thread count is baked into the GEMM code
+_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> (threads, weights' versions, key)
 
 
@@ -301,17 +337,19 @@ def cached_key(base, threads: int | None = None) -> dict:
 
 def load(base, threads: int | None = None, again: bool = False, graph: str = STEP) -> Artifact | None:
     """`graph` of the artifact of `base` for this machine if it is built and intact (loaded once per process), else
-    None. A base found without it is looked up again only with `again`."""
-    loaded = _LOADED.setdefault(base, {})
-    if graph in loaded and not (again and loaded[graph] is None):
-        return loaded[graph]
+    None. A base found without it is looked up again only with `again`. `threads`: the thread count it was built
+    for (default: torch's now; a process that changes it gets that count's artifact)."""
+    threads = threads or torch.get_num_threads()
+    loaded, slot = _LOADED.setdefault(base, {}), (graph, threads)
+    if slot in loaded and not (again and loaded[slot] is None):
+        return loaded[slot]
     artifact = None
     if unsupported_reason(base) is None:
         key = cached_key(base, threads)
         directory = key_dir(key)
         if valid(directory, key, graph):
-            artifact = Artifact(graph_files(directory, graph)[0])
-    loaded[graph] = artifact
+            artifact = Artifact(graph_files(directory, graph)[0], sliding_window_of(base))
+    loaded[slot] = artifact
     return artifact
 
 

@@ -213,7 +213,9 @@ class ArtifactBatchedRunner(BatchedRunner):
             with self.attention(batched=True):
                 logits, hidden = self.step(tokens, positions, slots, mask)
             return logits, hidden, False
-        attended = mask[..., : past + width].contiguous()  # the slots in use and this block
+        # the slots in use and this block (a sliding-window base: both layer types' masks)
+        attended = ({kind: m[..., : past + width].contiguous() for kind, m in mask.items()} if isinstance(mask, dict)
+                    else mask[..., : past + width].contiguous())
         rows = tokens.shape[0]  # the cache's first rows (a row-slice of a contiguous tensor is dense)
         kv = self.kv if rows == self.rows else [t[:rows] for t in self.kv]
         step = self.one_token if width == 1 and self.one_token is not None else self.artifact
@@ -288,8 +290,8 @@ class ArtifactBatchedRunner(BatchedRunner):
 
 def batched_artifact_unsupported_reason(base, rows: int) -> str | None:
     """Why `base`'s artifact cannot verify its batches of `rows` rows (None when it can): artifacts off or unable to
-    serve the base, position-ordered (bf16) bases, whose batches compile in the call, sliding-window bases (the
-    artifact derives the window from one sequence's positions) and more rows than it serves."""
+    serve the base, position-ordered (bf16) bases, whose batches compile in the call, and more rows than it serves.
+    (A sliding-window base's artifact takes both layer types' masks, which a batch builds for its rows.)"""
     from . import artifacts
 
     if rows > artifacts.MAX_ROWS:
@@ -298,8 +300,6 @@ def batched_artifact_unsupported_reason(base, rows: int) -> str | None:
         return "artifacts are turned off (HF_BPD_ARTIFACTS=0)"
     if ordered_base(base):
         return "bf16 batches on hf_bpd's kernels have no artifact"
-    if has_sliding_layers(base.config):
-        return "sliding-window bases have no batched artifact"
     return artifacts.unsupported_reason(base)
 
 

@@ -40,6 +40,15 @@ def sliding_window_of(base) -> int | None:
     return getattr(base.config.get_text_config(decoder=True), "sliding_window", None)
 
 
+def window_mask(attention_mask: torch.Tensor, position_ids: torch.Tensor, window: int) -> torch.Tensor:
+    """The sliding-window layers' mask of one sequence's step from its full mask `(rows, 1, Q, L)`: slot `i` holds
+    position `i`, and a key `window` or more positions behind a query is out of its reach (batches, whose slots hold
+    other positions, build both masks themselves: `hf_bpd.generation.batch`)."""
+    slots = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+    too_old = slots[None, :] <= position_ids[0, :, None] - window
+    return attention_mask.masked_fill(too_old, torch.finfo(attention_mask.dtype).min)
+
+
 class VerificationCache(StaticCache):
     """A `StaticCache` whose every layer holds every position (`StaticLayer`s), sliding-window layers included: the
     step's masks bound the windows (see the module docstring)."""
@@ -72,11 +81,8 @@ class VerificationStep(nn.Module):
 
     def forward(self, input_ids, position_ids, cache_position, attention_mask, key_slots=None, key_ranks=None):
         if self.window is not None and not isinstance(attention_mask, dict):  # (a batch passes its own masks)
-            # a key `window` or more positions behind a query is out of its reach
-            slots = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
-            too_old = slots[None, :] <= position_ids[0, :, None] - self.window
-            sliding = attention_mask.masked_fill(too_old, torch.finfo(attention_mask.dtype).min)
-            attention_mask = {"full_attention": attention_mask, "sliding_attention": sliding}
+            attention_mask = {"full_attention": attention_mask,
+                              "sliding_attention": window_mask(attention_mask, position_ids, self.window)}
         extra = {} if key_slots is None else {"key_slots": key_slots, "key_ranks": key_ranks}  # ordered attention
         hidden = self.base.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                          cache_position=cache_position, attention_mask=attention_mask,
