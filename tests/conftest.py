@@ -135,6 +135,16 @@ def smollm2():
     return hf_bpd.load_base("smollm2-135m-instruct")
 
 
+@pytest.fixture(autouse=True)
+def thread_count_kept():
+    """A test leaves torch's thread count as it found it (the CLI's `main([..., "--threads", "1"])` sets it for the
+    process, as its command does), so no later test runs at a count some earlier test chose."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: one thread is fastest, and robust on a loaded machine (restored after the module)."""
