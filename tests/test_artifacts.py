@@ -56,6 +56,22 @@ def example(capacity: int, block: int, past: int):
     return ids, (past + torch.arange(block))[None], mask, torch.tensor(past), kv
 
 
+def eager_step(base, ids, positions, mask, past: int, kv):
+    """`(logits, hidden)` of the exported step run eagerly over the whole cache `kv` (written in place), `mask` (or a
+    dict of masks by layer type) covering the slots the artifact attends, the slots after them closed."""
+    rows, block, capacity = ids.shape[0], ids.shape[1], kv[0].shape[2]
+    cache, _ = artifacts._example(base, capacity=capacity, rows=rows)
+
+    def padded(m):
+        full = torch.full((rows, 1, block, capacity), torch.finfo(m.dtype).min)
+        full[..., : m.shape[-1]] = m
+        return full
+
+    masks = {kind: padded(m) for kind, m in mask.items()} if isinstance(mask, dict) else padded(mask)
+    with torch.no_grad():
+        return artifacts._Step(base, cache)(ids, positions, masks, torch.tensor(past), kv)
+
+
 def test_one_artifact_serves_every_block_and_context_length_and_writes_the_cache(built):
     _, base, path = built
     artifact = artifacts.Artifact(path)
@@ -70,12 +86,7 @@ def test_one_artifact_serves_every_block_and_context_length_and_writes_the_cache
             assert torch.equal(new[:, :, :past], old[:, :, :past]) and torch.equal(new[:, :, past + block:],
                                                                                      old[:, :, past + block:])
         # the same step eagerly, over the whole cache with the unused slots masked: the same tokens
-        cache, _ = artifacts._example(base, capacity=capacity)
-        eager_kv = [t.clone() for t in before]
-        full = torch.full((1, 1, block, capacity), torch.finfo(torch.float32).min)
-        full[..., :past + block] = mask
-        with torch.no_grad():
-            eager_logits, _ = artifacts._Step(base, cache)(ids, positions, full, length, eager_kv)
+        eager_logits, _ = eager_step(base, ids, positions, mask, past, [t.clone() for t in before])
         assert torch.allclose(logits, eager_logits, atol=1e-4)
         assert torch.equal(logits.argmax(-1), eager_logits.argmax(-1))
 
@@ -254,11 +265,7 @@ def test_one_artifact_serves_batches_each_row_on_its_own_positions_and_mask(buil
     positions = torch.stack([past + torch.arange(block), 15 + torch.arange(block), 14 + torch.arange(block)])
     eager_kv = [t.clone() for t in kv]
     logits, _ = artifact(ids, positions, mask, torch.tensor(past), kv)
-    cache, _ = artifacts._example(base, capacity=capacity, rows=rows)
-    full = torch.full((rows, 1, block, capacity), closed)
-    full[..., :past + block] = mask
-    with torch.no_grad():
-        eager_logits, _ = artifacts._Step(base, cache)(ids, positions, full, torch.tensor(past), eager_kv)
+    eager_logits, _ = eager_step(base, ids, positions, mask, past, eager_kv)
     assert torch.allclose(logits, eager_logits, atol=1e-4)
     for new, old in zip(kv, eager_kv):  # every row's keys/values written where the eager step wrote them
         assert torch.allclose(new, old, atol=1e-5)
@@ -281,12 +288,7 @@ def test_the_one_token_batch_step_equals_the_eager_step_row_by_row(built):
         positions = (past - torch.arange(rows) % 4)[:, None]
         eager_kv = [t.clone() for t in kv]
         logits, hidden = one_token(ids, positions, mask, torch.tensor(past), kv)
-        cache, _ = artifacts._example(base, capacity=capacity, rows=rows)
-        full = torch.full((rows, 1, 1, capacity), closed)
-        full[..., :past + 1] = mask
-        with torch.no_grad():
-            eager_logits, eager_hidden = artifacts._Step(base, cache)(ids, positions, full, torch.tensor(past),
-                                                                      eager_kv)
+        eager_logits, eager_hidden = eager_step(base, ids, positions, mask, past, eager_kv)
         assert logits.shape == (rows, 1, 96) and torch.allclose(logits, eager_logits, atol=1e-4)
         assert torch.allclose(hidden, eager_hidden, atol=1e-4)
         for new, old in zip(kv, eager_kv):

@@ -139,12 +139,9 @@ def test_smollm2_greedy_equals_base_generate(smollm2):
 
 @pytest.fixture
 def install_threads():
-    """torch at install.sh's thread count, the one its compiled step is built for (in-process CLI tests leave torch
-    at theirs), restored after the test."""
-    threads = torch.get_num_threads()
+    """torch at install.sh's thread count, the one its compiled step is built for (restored after the test by
+    tests/conftest.py's `thread_count_kept`)."""
     torch.set_num_threads(INSTALL_THREADS)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.artifacts  # verified on the step install.sh built, as users' calls are (in-process compiling: above)

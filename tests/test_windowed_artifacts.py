@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from hf_bpd import BlockwiseParallelForCausalLM
 from hf_bpd.runtime import artifacts, background, batched
 from tests.conftest import TINY_CONFIGS
+from tests.test_artifacts import eager_step
 from tests.test_batch import PAD, check_rows, left_padded, random_prompts
 from tests.test_batch_compiled import reference_drafts
 
@@ -44,8 +45,9 @@ def test_the_key_and_the_graphs_of_a_windowed_artifact(built):
 
 
 def test_batch_rows_on_their_own_positions_get_the_eager_step_s_windows(built):
-    """A batch's rows whose slots hold other positions than their index (left padding, holes) pass both masks and
-    get what the eager step computes for them; a lone sequence's full mask alone gives the eager step's output."""
+    """A batch's rows whose slots hold other positions than their index (left padding) pass both masks and get what
+    the eager step computes from them; a lone sequence's full mask alone (its sliding mask derived outside the graph)
+    gives what the eager step gives, deriving it inside."""
     base, path = built
     artifact = artifacts.load(base)
     rows, block, past, capacity = 3, 2, 20, 64
@@ -56,19 +58,13 @@ def test_batch_rows_on_their_own_positions_get_the_eager_step_s_windows(built):
     full[:, 0, :, past:] = torch.triu(torch.full((block, block), closed), 1)
     full[1, :, :, :5] = closed  # row 1: 5 slots of padding, so slot i holds position i - 5
     sliding = full.clone()
-    sliding[0, :, :, : past - 6] = closed  # each row's window of 8 over its own positions
-    sliding[1, :, :, : past - 6] = closed
-    sliding[2, :, :, : past - 6] = closed
+    sliding[..., : past - 6] = closed  # the older slots out of the window (the same masks for both steps)
     ids = torch.randint(0, 96, (rows, block), generator=g)
     positions = torch.stack([past + torch.arange(block), past - 5 + torch.arange(block), past + torch.arange(block)])
     eager_kv = [t.clone() for t in kv]
     masks = {"full_attention": full, "sliding_attention": sliding}
     logits, _ = artifact(ids, positions, masks, torch.tensor(past), kv)
-    cache, _ = artifacts._example(base, capacity=capacity, rows=rows)
-    padded = {k: torch.cat([m, torch.full((rows, 1, block, capacity - past - block), closed)], -1)
-              for k, m in masks.items()}
-    with torch.no_grad():
-        eager, _ = artifacts._Step(base, cache)(ids, positions, padded, torch.tensor(past), eager_kv)
+    eager, _ = eager_step(base, ids, positions, masks, past, eager_kv)
     assert torch.allclose(logits, eager, atol=1e-4)
     for new, old in zip(kv, eager_kv):
         assert torch.allclose(new, old, atol=1e-5)
@@ -76,6 +72,11 @@ def test_batch_rows_on_their_own_positions_get_the_eager_step_s_windows(built):
     wide, _ = artifact(ids, positions, {"full_attention": full, "sliding_attention": full}, torch.tensor(past),
                        [t.clone() for t in eager_kv])
     assert not torch.allclose(wide, eager, atol=1e-4)
+    # a lone sequence (slot i holds position i, past the window of 8): its full mask alone
+    lone_kv = [t[:1].clone() for t in eager_kv]
+    lone, _ = artifact(ids[:1], positions[:1], full[:1], torch.tensor(past), lone_kv)
+    eager_lone, _ = eager_step(base, ids[:1], positions[:1], full[:1], past, [t[:1].clone() for t in eager_kv])
+    assert torch.allclose(lone, eager_lone, atol=1e-4) and not torch.allclose(lone, wide[:1], atol=1e-4)
 
 
 def test_lone_and_batched_calls_on_the_windowed_artifact_are_exact(built, monkeypatch):
