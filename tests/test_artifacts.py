@@ -1,8 +1,9 @@
-"""Compiled steps that outlive the process (`hf_bpd.runtime.artifacts`, `hf-bpd compile`): built once (one AOTInductor
-build of a tiny base, ~1 min, shared by the module), loaded by a new process, exact, keyed, checked and locked."""
+"""Compiled steps that outlive the process (`hf_bpd.runtime.artifacts`, `hf-bpd compile`): built once by the command
+(a tiny base's step and one-token batch step, ~1 min, shared by the module), loaded by a new process, exact, keyed, checked and locked."""
 
-import copy
+import contextlib
 import fcntl
+import io
 import json
 import subprocess
 import sys
@@ -29,21 +30,44 @@ def tiny_base(seed: int = 0):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+def saved_base(cache: Path):
+    """A fresh copy of the module's tiny base, loaded from where `cli_build` saved it (its artifact's key)."""
+    return AutoModelForCausalLM.from_pretrained(cache / "tiny").eval()
+
+
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """`(cache directory, base, package path)`: one artifact (the step and the one-token batch step), built with 1
-    thread into a fresh $HF_BPD_CACHE."""
+def cli_build(tmp_path_factory):
+    """`(cache directory, printed)`: the tiny base saved to disk and its artifact built by `hf-bpd compile` with 1
+    thread into a fresh $HF_BPD_CACHE: `--no-batch-step` first (the step), then without the flag (the one-token batch
+    step beside the step it finds built); `printed`: each call's `(stdout, stderr)`."""
+    from hf_bpd.cli import main
+
     cache = tmp_path_factory.mktemp("hf_bpd_cache")
     patch = pytest.MonkeyPatch()
     patch.setenv("HF_BPD_CACHE", str(cache))
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    base = tiny_base()
-    path = artifacts.build(base)
-    artifacts.build(base, graph=artifacts.ONE_TOKEN)
-    yield cache, base, path
+    tiny_base().save_pretrained(cache / "tiny")
+    printed = []
+    for flags in (["--no-batch-step"], []):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            assert main(["compile", str(cache / "tiny"), "--threads", "1", *flags]) == 0
+        printed.append((out.getvalue(), err.getvalue()))
+    yield cache, printed
     torch.set_num_threads(threads)
     patch.undo()
+
+
+@pytest.fixture(scope="module")
+def built(cli_build):
+    """`(cache directory, base, package path)`: the artifact `cli_build` built (the step and the one-token batch
+    step), its base, torch at its 1 thread."""
+    cache, _ = cli_build
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    base = saved_base(cache)
+    yield cache, base, artifacts.key_dir(artifacts.artifact_key(base, 1)) / artifacts.PACKAGE
+    torch.set_num_threads(threads)
 
 
 def example(capacity: int, block: int, past: int):
@@ -95,17 +119,17 @@ def test_a_new_process_loads_the_artifact_and_decodes_exactly_without_compiling(
     cache, base, path = built
     inputs = example(64, 4, 20)
     reference = artifacts.Artifact(path)(*inputs)[0]
-    torch.save({"state": base.state_dict(), "inputs": inputs, "logits": reference}, cache / "job.pt")
+    torch.save({"inputs": inputs, "logits": reference}, cache / "job.pt")
     script = textwrap.dedent(f"""
         import json, sys, time, torch
+        from pathlib import Path
         sys.path.insert(0, {str(ROOT)!r})
         torch.set_num_threads(1)
-        from tests.test_artifacts import tiny_base
+        from tests.test_artifacts import saved_base
         from hf_bpd import BlockwiseParallelForCausalLM
         from hf_bpd.runtime import artifacts
         job = torch.load({str(cache / "job.pt")!r})
-        base = tiny_base()
-        base.load_state_dict(job["state"])
+        base = saved_base(Path({str(cache)!r}))
         start = time.perf_counter()
         artifact = artifacts.load(base)
         seconds = time.perf_counter() - start
@@ -135,10 +159,13 @@ def test_a_new_process_loads_the_artifact_and_decodes_exactly_without_compiling(
 
 
 def test_the_key_names_what_the_artifact_depends_on(built):
-    _, base, _ = built
+    cache, base, _ = built
     key = artifacts.artifact_key(base, 1)
     assert artifacts.key_dir(key) != artifacts.key_dir(artifacts.artifact_key(base, 2))  # threads
-    assert artifacts.key_dir(key) != artifacts.key_dir(artifacts.artifact_key(tiny_base(seed=1), 1))  # weights
+    other = saved_base(cache)
+    with torch.no_grad():
+        other.model.norm.weight.add_(1.0)
+    assert artifacts.key_dir(key) != artifacts.key_dir(artifacts.artifact_key(other, 1))  # weights
     assert key["cpu"] == torch.backends.cpu.get_cpu_capability() and key["torch"] == torch.__version__
     # the CPU's flags too (AMX tiles: the capability says AVX512 with or without them)
     other_cpu = artifacts.key_dir({**key, "cpu_flags": "0" * 16})
@@ -147,7 +174,7 @@ def test_the_key_names_what_the_artifact_depends_on(built):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert artifacts.load(tiny_base()) is None
+        assert artifacts.load(saved_base(cache)) is None
     finally:
         torch.set_num_threads(threads)
 
@@ -167,7 +194,7 @@ def test_a_corrupt_artifact_is_not_loaded(built, tmp_path, monkeypatch):
     data[len(data) // 2] ^= 0xFF
     (directory / artifacts.PACKAGE).write_bytes(bytes(data))
     assert not artifacts.valid(directory, key)
-    assert artifacts.load(tiny_base()) is None  # a base this process has not looked up yet
+    assert artifacts.load(saved_base(cache)) is None  # a base this process has not looked up yet
     (directory / "key.json").write_text("{")  # a damaged key too
     assert not artifacts.valid(directory, key) and artifacts.listing()[0]["broken"]
 
@@ -203,19 +230,15 @@ def test_compile_command_lists_and_clears(built, capsys):
     assert "needs a model" in capsys.readouterr().err
 
 
-def test_compile_command_builds_the_step_and_the_one_token_batch_step(built, tmp_path, capsys):
-    """`hf-bpd compile MODEL --no-batch-step` builds the step only; without the flag the one-token batch step is built
+def test_compile_command_builds_the_step_and_the_one_token_batch_step(cli_build, built, capsys):
+    """`hf-bpd compile MODEL --no-batch-step` built the step only; without the flag the one-token batch step was built
     beside it (the step found built) and batches are said to run on it; `--list` names each graph."""
     from hf_bpd.cli import main
 
-    _, base, _ = built
-    copy.deepcopy(base).save_pretrained(tmp_path / "tiny")  # a copy: saving sets fields of the config
-    assert main(["compile", str(tmp_path / "tiny"), "--threads", "1", "--no-batch-step"]) == 0
-    out = capsys.readouterr()
-    assert "one-token batch step" not in out.out + out.err
-    assert main(["compile", str(tmp_path / "tiny"), "--threads", "1"]) == 0
-    out = capsys.readouterr()
-    assert "one-token batch step" in out.out and "building the compiled step" not in out.err  # found built
+    (first_out, first_err), (second_out, second_err) = cli_build[1]
+    assert "building the compiled step" in first_err and "one-token batch step" not in first_out + first_err
+    assert "building the compiled one-token batch step" in second_err and "one-token batch step" in second_out
+    assert "building the compiled step" not in second_err  # found built
     assert artifacts.listing() and all(record.get("graph") in (artifacts.STEP, artifacts.ONE_TOKEN)
                                        for record in artifacts.listing())
     assert main(["compile", "--list"]) == 0

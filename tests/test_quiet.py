@@ -15,20 +15,21 @@ SCRIPT = textwrap.dedent("""
     from hf_bpd import BlockwiseParallelForCausalLM
 
     torch.set_num_threads(1)
-    def run(hidden):
+    def run(width):
+        # every GEMM width x width (vocabulary, MLP and heads too): one shape for inductor to autotune (~5 s each)
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+        config = LlamaConfig(vocab_size=width, hidden_size=width, intermediate_size=width, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)
         base = AutoModelForCausalLM.from_config(config).eval()
         model = BlockwiseParallelForCausalLM.from_base(base, num_heads=2).eval()
-        ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(3, width, (1, 5), generator=torch.Generator().manual_seed(0))
         out = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, compile=True)
         assert torch.equal(out, base.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None))
-    run(32)
+    run(64)
     sys.stderr.write("=== debug\\n")
     sys.stderr.flush()
     os.environ["HF_BPD_DEBUG"] = "1"
-    run(48)  # other GEMM shapes: autotuned afresh
+    run(96)  # another GEMM shape: autotuned afresh
 """)
 
 

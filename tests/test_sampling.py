@@ -113,8 +113,15 @@ def test_drafts_are_really_accepted_while_sampling(model, mode):
 
 
 def test_chi_square_detects_a_slightly_wrong_temperature(model):
-    """Power check: samples at T=1.0 are rejected against the T=0.7 distribution."""
-    probs = exact_joint(model.base_lm, 0.7)
-    counts = sample_counts(lambda: model.generate(PROMPT, do_sample=True, temperature=1.0, top_k=0,
-                                                  max_new_tokens=NEW))
-    assert chi2_pvalue(counts, probs) < 1e-6
+    """Power check: N draws from the base's exact T=1.0 distribution are rejected against the T=0.7 one (and N draws
+    from the T=0.7 one are not: the check is not rejecting everything)."""
+    wanted = exact_joint(model.base_lm, 0.7)
+    for temperature, rejected in ((1.0, True), (0.7, False)):
+        probs = exact_joint(model.base_lm, temperature)
+        outcomes = list(probs)
+        torch.manual_seed(1234)
+        draws = torch.multinomial(torch.tensor([probs[o] for o in outcomes]), N, replacement=True).tolist()
+        counts = {}
+        for i in draws:
+            counts[outcomes[i]] = counts.get(outcomes[i], 0) + 1
+        assert (chi2_pvalue(counts, wanted) < 1e-6) == rejected, temperature
