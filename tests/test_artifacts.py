@@ -1,5 +1,6 @@
 """Compiled steps that outlive the process (`hf_bpd.runtime.artifacts`, `hf-bpd compile`): built once by the command
-(a tiny base's step and one-token batch step, ~1 min, shared by the module), loaded by a new process, exact, keyed, checked and locked."""
+(a tiny base's step and one-token batch step, ~1 min, shared by the module), loaded by a new process, exact, keyed,
+checked and locked."""
 
 import contextlib
 import fcntl
