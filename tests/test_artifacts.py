@@ -97,6 +97,30 @@ def eager_step(base, ids, positions, mask, past: int, kv):
         return artifacts._Step(base, cache)(ids, positions, masks, torch.tensor(past), kv)
 
 
+def ragged_batch(seed: int, block: int, past: int, rows: int = 3, capacity: int = 64):
+    """`(kv, mask, ids)` of a batch step: `rows` rows of `block` tokens after `past` slots of a random `capacity`-slot
+    cache, each block causal, row 1 behind 5 slots of padding (its slot `i` holds position `i - 5`)."""
+    closed = torch.finfo(torch.float32).min
+    g = torch.Generator().manual_seed(seed)
+    kv = [torch.randn(rows, 2, capacity, 8, generator=g) for _ in range(4)]
+    mask = torch.zeros(rows, 1, block, past + block)
+    mask[:, 0, :, past:] = torch.triu(torch.full((block, block), closed), 1)
+    mask[1, :, :, :5] = closed
+    return kv, mask, torch.randint(0, 96, (rows, block), generator=g)
+
+
+def step_equals_eager(artifact, base, ids, positions, mask, past: int, kv):
+    """Runs `artifact` on `kv` (written in place) and the eager step on a copy of it: the same logits, and every row's
+    keys/values written where the eager step wrote them. Returns `(logits, eager logits, eager kv)`."""
+    eager_kv = [t.clone() for t in kv]
+    logits, _ = artifact(ids, positions, mask, torch.tensor(past), kv)
+    eager_logits, _ = eager_step(base, ids, positions, mask, past, eager_kv)
+    assert torch.allclose(logits, eager_logits, atol=1e-4)
+    for new, old in zip(kv, eager_kv):
+        assert torch.allclose(new, old, atol=1e-5)
+    return logits, eager_logits, eager_kv
+
+
 def test_one_artifact_serves_every_block_and_context_length_and_writes_the_cache(built):
     _, base, path = built
     artifact = artifacts.Artifact(path)
@@ -277,22 +301,11 @@ def test_one_artifact_serves_batches_each_row_on_its_own_positions_and_mask(buil
     them (a step built from inputs whose rows shared one position row computed every row from row 0's)."""
     _, base, path = built
     artifact = artifacts.Artifact(path)
-    rows, block, past, capacity = 3, 2, 20, 64
-    closed = torch.finfo(torch.float32).min
-    g = torch.Generator().manual_seed(7)
-    kv = [torch.randn(rows, 2, capacity, 8, generator=g) for _ in range(4)]
-    mask = torch.zeros(rows, 1, block, past + block)
-    mask[:, 0, :, past:] = torch.triu(torch.full((block, block), closed), 1)
-    mask[1, :, :, :5] = closed
-    mask[2, :, :, 3:9] = closed
-    ids = torch.randint(0, 96, (rows, block), generator=g)
+    block, past = 2, 20
+    kv, mask, ids = ragged_batch(7, block, past)
+    mask[2, :, :, 3:9] = torch.finfo(torch.float32).min
     positions = torch.stack([past + torch.arange(block), 15 + torch.arange(block), 14 + torch.arange(block)])
-    eager_kv = [t.clone() for t in kv]
-    logits, _ = artifact(ids, positions, mask, torch.tensor(past), kv)
-    eager_logits, _ = eager_step(base, ids, positions, mask, past, eager_kv)
-    assert torch.allclose(logits, eager_logits, atol=1e-4)
-    for new, old in zip(kv, eager_kv):  # every row's keys/values written where the eager step wrote them
-        assert torch.allclose(new, old, atol=1e-5)
+    step_equals_eager(artifact, base, ids, positions, mask, past, kv)
 
 
 def test_the_one_token_batch_step_equals_the_eager_step_row_by_row(built):

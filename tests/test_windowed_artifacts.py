@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from hf_bpd import BlockwiseParallelForCausalLM
 from hf_bpd.runtime import artifacts, background, batched
 from tests.conftest import TINY_CONFIGS
-from tests.test_artifacts import eager_step
+from tests.test_artifacts import eager_step, ragged_batch, step_equals_eager
 from tests.test_batch import PAD, check_rows, left_padded, random_prompts
 from tests.test_batch_compiled import reference_drafts
 
@@ -50,24 +50,13 @@ def test_batch_rows_on_their_own_positions_get_the_eager_step_s_windows(built):
     gives what the eager step gives, deriving it inside."""
     base, path = built
     artifact = artifacts.load(base)
-    rows, block, past, capacity = 3, 2, 20, 64
-    closed = torch.finfo(torch.float32).min
-    g = torch.Generator().manual_seed(3)
-    kv = [torch.randn(rows, 2, capacity, 8, generator=g) for _ in range(4)]
-    full = torch.zeros(rows, 1, block, past + block)
-    full[:, 0, :, past:] = torch.triu(torch.full((block, block), closed), 1)
-    full[1, :, :, :5] = closed  # row 1: 5 slots of padding, so slot i holds position i - 5
+    block, past = 2, 20
+    kv, full, ids = ragged_batch(3, block, past)  # row 1: 5 slots of padding, so slot i holds position i - 5
     sliding = full.clone()
-    sliding[..., : past - 6] = closed  # the older slots out of the window (the same masks for both steps)
-    ids = torch.randint(0, 96, (rows, block), generator=g)
+    sliding[..., : past - 6] = torch.finfo(torch.float32).min  # the older slots out of the window (both steps' masks)
     positions = torch.stack([past + torch.arange(block), past - 5 + torch.arange(block), past + torch.arange(block)])
-    eager_kv = [t.clone() for t in kv]
     masks = {"full_attention": full, "sliding_attention": sliding}
-    logits, _ = artifact(ids, positions, masks, torch.tensor(past), kv)
-    eager, _ = eager_step(base, ids, positions, masks, past, eager_kv)
-    assert torch.allclose(logits, eager, atol=1e-4)
-    for new, old in zip(kv, eager_kv):
-        assert torch.allclose(new, old, atol=1e-5)
+    _, eager, eager_kv = step_equals_eager(artifact, base, ids, positions, masks, past, kv)
     # the same rows with the sliding mask left open differ: the graph reads the mask it is given
     wide, _ = artifact(ids, positions, {"full_attention": full, "sliding_attention": full}, torch.tensor(past),
                        [t.clone() for t in eager_kv])
