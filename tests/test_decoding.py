@@ -308,6 +308,32 @@ def test_bad_generate_arguments_are_one_line_errors(kwargs, fragment):
     assert "\n" not in str(err.value)
 
 
+def test_assistant_model_with_heads_is_a_one_line_error():
+    model = random_bpd("llama", 0)
+    with pytest.raises(BPDConfigError, match="assistant_model replaces the drafting loop: pass use_heads=False"):
+        model.generate(prompt_ids(0, 4), max_new_tokens=4, assistant_model=model.base_lm)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"num_beams": 2}, {"prompt_lookup_num_tokens": 2}, {"use_cache": False}, {"cache_implementation": "static"},
+    {"output_hidden_states": True, "return_dict_in_generate": True}, {"assistant_model": "base"},
+], ids=["beams", "prompt-lookup", "no-cache", "static-cache", "hidden-states", "assistant"])
+def test_use_heads_false_runs_what_only_transformers_loop_runs(kwargs):
+    """What the drafting errors advise (`use_heads=False`) works with a checkpoint that compiles by default: the call
+    runs the base's own `generate()` (its loop, uncompiled) and returns what the base returns."""
+    model = random_bpd("llama", 0)
+    model.generation_config.compile = True  # as the shipped checkpoints set it
+    kwargs = {k: model.base_lm if v == "base" else v for k, v in kwargs.items()}
+    ids, settings = prompt_ids(0, 4), dict(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    got = model.generate(ids, use_heads=False, **settings, **kwargs)
+    expected = model.base_lm.generate(ids, **settings, **kwargs)
+    assert model.last_generation_stats.method == "plain"
+    if kwargs.get("return_dict_in_generate"):
+        assert len(got.hidden_states) == len(expected.hidden_states) == 6
+        got, expected = got.sequences, expected.sequences
+    assert torch.equal(got, expected)
+
+
 def test_a_batch_drafts_and_matches_batched_plain_decoding():
     """Batches draft (tests/test_batch.py has the row-by-row exactness); without padding, rows equal transformers'
     batched plain decoding of the same batch."""

@@ -227,6 +227,38 @@ def plan_call(model, options: DraftingOptions, kwargs: dict) -> DecodingPlan:
     return plan
 
 
+def transformers_only(kwargs: dict, generation_config, model_config) -> str | None:
+    """What a `generate()` call asks for that only transformers' own decoding loop does (beam search, contrastive
+    search, DoLa, assisted decoding, attentions or hidden states per token, no or a non-dynamic cache, a filled cache,
+    another `custom_generate`), or None. With `use_heads=False` such a call runs the base's own `generate()`; the
+    options come from the call, else `generation_config`, else the model's."""
+    def option(name):
+        if name in kwargs:
+            return kwargs[name]
+        for config in (generation_config, model_config):
+            if config is not None and getattr(config, name, None) is not None:
+                return getattr(config, name)
+        return None
+
+    cache = kwargs.get(CACHE_NAME)
+    asked = {
+        "num_beams": (option("num_beams") or 1) > 1,
+        "penalty_alpha": bool(option("penalty_alpha")),
+        "dola_layers": option("dola_layers") is not None,
+        "prompt_lookup_num_tokens": option("prompt_lookup_num_tokens") is not None,
+        "assistant_early_exit": option("assistant_early_exit") is not None,
+        "use_mtp": bool(option("use_mtp")),
+        "assistant_model": kwargs.get("assistant_model") is not None,
+        "custom_generate": kwargs.get("custom_generate") is not None,
+        "output_attentions": bool(option("output_attentions")),
+        "output_hidden_states": bool(option("output_hidden_states")),
+        "use_cache=False": option("use_cache") is False,
+        "cache_implementation": option("cache_implementation") not in (None, "dynamic"),
+        CACHE_NAME: cache is not None and (not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0),
+    }
+    return next((name for name, given in asked.items() if given), None)
+
+
 def check_supported(input_ids, generation_config, model_kwargs, compiled: bool = False) -> None:
     """One-line errors for what drafting does not support."""
     if (generation_config.num_beams or 1) > 1:
