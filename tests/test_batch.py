@@ -142,6 +142,31 @@ def test_scores_and_stats_per_row():
     assert out.generation_stats.method.endswith("+batch") and len(out.generation_stats.rows) == 3
 
 
+ROW_PROCESSORS = {
+    "repetition": {"repetition_penalty": 1.5},  # each row's padding length (`prompt_ignore_length`)
+    "encoder-repetition": {"encoder_repetition_penalty": 5.0},  # each row's prompt
+    "encoder-ngram": {"encoder_no_repeat_ngram_size": 1},
+    "prefix": {"prefix_allowed_tokens_fn": lambda row, sent: [t for t in range(VOCAB) if t % 3 != row]},
+}
+
+
+@pytest.mark.parametrize("processor", list(ROW_PROCESSORS))
+def test_logits_processors_holding_something_per_row_read_each_rows_own(processor):
+    """transformers builds some processors for the whole batch (per-row padding lengths, prompts, the row index a
+    prefix constraint is asked for); every row reads its own: the batch equals transformers' batched plain decoding,
+    and differs from the batch without the processor."""
+    model = random_bpd("llama", 0)
+    ids, mask = left_padded(random_prompts(3, seed=8, longest=12))  # each processor changes this batch's output
+    kwargs = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    out = model.generate(ids, attention_mask=mask, **kwargs, **ROW_PROCESSORS[processor])
+    assert model.last_generation_stats.method.endswith("+batch")
+    assert torch.equal(out, model.base_lm.generate(ids, attention_mask=mask, **kwargs, **ROW_PROCESSORS[processor]))
+    assert not torch.equal(out, model.generate(ids, attention_mask=mask, **kwargs))
+    torch.manual_seed(0)  # sampled too
+    sampled = model.generate(ids, attention_mask=mask, **dict(kwargs, do_sample=True), **ROW_PROCESSORS[processor])
+    assert sampled.shape == out.shape
+
+
 def test_batch_errors_are_one_line():
     model = random_bpd("llama", 0)
     ids, mask = left_padded(random_prompts(2, seed=1))

@@ -22,7 +22,8 @@ every drafted token verified. Streaming: one streamer per row (`streamer=[...]`)
 accepted tokens and ended when the row stops.
 
 Each row is decoded exactly as transformers' batched plain `generate()` decodes it: logits processors and stopping
-criteria see the row's left-padded context, as they do there; for prompts without padding-sensitive processors
+criteria see the row's left-padded context, as they do there (processors built for the whole batch read the row's
+own padding length, prompt or index: `_row_processors`); for prompts without padding-sensitive processors
 (a repetition penalty sees pad tokens there too) that is the prompt's own output. Floating-point sums over a padded
 batch differ from a lone sequence's in the last bits, so a near-tie between the base's two best tokens can go either
 way, as it can for transformers' batched decoding (`tests/test_batch.py` allows exactly that).
@@ -36,6 +37,10 @@ import time
 import warnings
 
 import torch
+from transformers import LogitsProcessorList
+from transformers.generation.logits_process import (EncoderNoRepeatNGramLogitsProcessor,
+                                                    EncoderRepetitionPenaltyLogitsProcessor,
+                                                    PrefixConstrainedLogitsProcessor)
 
 from ..errors import BPDConfigError
 from ..kv_cache import CACHE_NAME
@@ -179,6 +184,29 @@ def _compiled_runner(base, rows: int, needed_length: int, wait: bool):
     return runner
 
 
+def _row_processors(logits_processor, row: int):
+    """The call's logits processors as row `row` of the batch sees them: the ones holding something per row of the
+    batch (the repetition penalty's padding lengths, the encoder penalties' prompts, the prefix constraint's row
+    index) get the row's own."""
+    out = LogitsProcessorList()
+    for processor in logits_processor:
+        if isinstance(getattr(processor, "prompt_ignore_length", None), torch.Tensor):
+            processor = copy.copy(processor)
+            processor.prompt_ignore_length = processor.prompt_ignore_length[row: row + 1]
+        elif isinstance(processor, EncoderRepetitionPenaltyLogitsProcessor):
+            processor = copy.copy(processor)
+            processor.encoder_input_ids = processor.encoder_input_ids[row: row + 1]
+        elif isinstance(processor, EncoderNoRepeatNGramLogitsProcessor):
+            processor = copy.copy(processor)
+            processor.generated_ngrams, processor.batch_size = [processor.generated_ngrams[row]], 1
+        elif isinstance(processor, PrefixConstrainedLogitsProcessor):
+            processor = copy.copy(processor)
+            allowed = processor._prefix_allowed_tokens_fn
+            processor._prefix_allowed_tokens_fn = lambda batch_id, sent: allowed(row, sent)
+        out.append(processor)
+    return out
+
+
 def _prompt_pass(model, input_ids, mask, runner, needed_length: int):
     """`(cache, last logits (rows, vocab), last hidden states (rows, hidden_size))` of the prompt pass: one eager
     forward over the left-padded batch (a row's positions count its own tokens), its cache moved onto `runner`'s
@@ -240,7 +268,8 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
         stats.verifier = ragged.runner.kind if isinstance(ragged, StaticRaggedCache) else "eager"
         logits = logits.float()
         for r, row in enumerate(rows):
-            processed = logits_processor(row.sequence, logits[r: r + 1].clone())
+            row.processors = _row_processors(logits_processor, r)
+            processed = row.processors(row.sequence, logits[r: r + 1].clone())
             row.stats.accepted_lengths.append(0)
             row.stats.draft_tokens.append(0)
             row.hidden = hidden[r]
@@ -297,7 +326,7 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
                     step_logits = step_scores = []
                 else:
                     new, path, position, step_logits, step_scores = walk(tree, block_logits[r], row.sequence,
-                                                                         logits_processor, do_sample)
+                                                                         row.processors, do_sample)
                 kept_slots.append([0] + [c + 1 for c in path])
                 row.hidden = block_hidden[r, position]
                 row.stats.accepted_lengths.append(len(path))
