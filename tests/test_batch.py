@@ -178,6 +178,19 @@ def test_batch_errors_are_one_line():
                        streamer=TextStreamer(tokenizer=None))
 
 
+def test_a_padded_prompt_alone_decodes_as_a_batch_of_one():
+    """A lone prompt with left padding (a pipeline's `padding="max_length"`) is decoded as a batch's row: it equals
+    transformers' plain decoding of the same padded input."""
+    model = random_bpd("llama", 0)
+    prompt = random_prompts(1, seed=1, longest=9)[0]
+    ids = torch.cat([torch.full((1, 6), PAD), prompt[None]], dim=1)
+    mask = (torch.arange(ids.shape[1]) >= 6).long()[None]
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    out = model.generate(ids, attention_mask=mask, **kwargs)
+    assert model.last_generation_stats.method.endswith("+batch")
+    assert torch.equal(out, model.base_lm.generate(ids, attention_mask=mask, **kwargs))
+
+
 class Recorder(BaseStreamer):
     def __init__(self):
         self.tokens, self.ended = [], 0

@@ -308,10 +308,13 @@ def test_bad_generate_arguments_are_one_line_errors(kwargs, fragment):
     assert "\n" not in str(err.value)
 
 
-def test_assistant_model_with_heads_is_a_one_line_error():
+def test_assistant_model_and_inputs_embeds_are_one_line_errors():
     model = random_bpd("llama", 0)
     with pytest.raises(BPDConfigError, match="assistant_model replaces the drafting loop: pass use_heads=False"):
         model.generate(prompt_ids(0, 4), max_new_tokens=4, assistant_model=model.base_lm)
+    embeds = model.base_lm.get_input_embeddings()(prompt_ids(0, 4))
+    with pytest.raises(BPDConfigError, match=r"pass input_ids, or .* model.base_lm.generate\(inputs_embeds=...\)"):
+        model.generate(inputs_embeds=embeds, max_new_tokens=4)
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -381,6 +381,9 @@ def test_feature_drafting_options_are_checked(tmp_path, options, message):
         model.generate(torch.tensor([[5, 9, 14]]), max_new_tokens=4, **options)
     with pytest.raises(hf_bpd.BPDConfigError, match="one prompt at a time"):
         model.generate(torch.tensor([[5, 9, 14], [6, 7, 8]]), max_new_tokens=4, drafter="feature")
+    with pytest.raises(hf_bpd.BPDConfigError, match="without padding, got 1 padded"):
+        model.generate(torch.tensor([[0, 9, 14]]), attention_mask=torch.tensor([[0, 1, 1]]), max_new_tokens=4,
+                       drafter="feature")
 
 
 def test_token_streams_round_trip_and_check_their_vocabulary(tmp_path):

@@ -84,8 +84,11 @@ def _length_option(name: str, value) -> int:
 def check_inputs(model, input_ids, generation_config, kwargs: dict) -> None:
     """One-line `InputError`s for `generate()` inputs, before any forward pass: the prompt's type, shape and token
     ids, and the requested length against the base's positions (prompt + max_new_tokens, else max_length)."""
+    if kwargs.get("inputs_embeds") is not None:
+        raise BPDConfigError("inputs_embeds: drafting reads token ids: pass input_ids, or generate from embeddings "
+                             "with model.base_lm.generate(inputs_embeds=...)")
     if input_ids is None:
-        return  # inputs_embeds / BOS-only generation: transformers checks those
+        return  # BOS-only generation: transformers checks it
     if not isinstance(input_ids, torch.Tensor):
         raise BPDTypeError(f"input_ids must be a torch.LongTensor of shape (batch, length), got "
                            f"{type(input_ids).__name__}: tokenize with return_tensors='pt'")
@@ -263,9 +266,6 @@ def check_supported(input_ids, generation_config, model_kwargs, compiled: bool =
     """One-line errors for what drafting does not support."""
     if (generation_config.num_beams or 1) > 1:
         raise BPDConfigError("beam search cannot be combined with drafting heads: use num_beams=1 or use_heads=False")
-    mask = model_kwargs.get("attention_mask")
-    if input_ids.shape[0] == 1 and mask is not None and not bool(mask.all()):
-        raise BPDConfigError("the attention mask pads a batch of one: drop the padding (tokenize without padding)")
     if generation_config.penalty_alpha or generation_config.dola_layers is not None:
         raise BPDConfigError("contrastive search / DoLa cannot be combined with drafting heads: pass use_heads=False")
     if generation_config.prompt_lookup_num_tokens is not None or generation_config.assistant_early_exit is not None \
@@ -302,10 +302,13 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
 def _blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, *,
                         plan: DecodingPlan, **model_kwargs):
     check_supported(input_ids, generation_config, model_kwargs, compiled=plan.compile)
-    if isinstance(plan.drafter, FeatureChainDrafter) and input_ids.shape[0] > 1:
-        raise BPDConfigError(f"drafter='feature' decodes one prompt at a time, got {input_ids.shape[0]}: pass one "
-                             "prompt per call, or drafter='heads' for batches")
-    if input_ids.shape[0] > 1:  # a batch of prompts: ragged rows on one cache (`hf_bpd.generation.batch`)
+    mask = model_kwargs.get("attention_mask")
+    padded = mask is not None and not bool(mask.all())
+    if isinstance(plan.drafter, FeatureChainDrafter) and (input_ids.shape[0] > 1 or padded):
+        raise BPDConfigError(f"drafter='feature' decodes one prompt at a time, without padding, got "
+                             f"{input_ids.shape[0]}{' padded' if padded else ''}: pass one prompt per call, tokenized "
+                             "without padding, or drafter='heads' for batches")
+    if input_ids.shape[0] > 1 or padded:  # a batch (or a padded prompt): ragged rows on one cache (`.batch`)
         plan.stats.method += "+batch"
         return decode_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, plan,
                             model_kwargs.get("attention_mask"))
