@@ -9,6 +9,7 @@ may); the tests check every difference is such a near-tie, and count them.
 
 import pytest
 import torch
+from transformers import SynthIDTextWatermarkingConfig
 from transformers.generation import TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
@@ -147,14 +148,18 @@ ROW_PROCESSORS = {
     "encoder-repetition": {"encoder_repetition_penalty": 5.0},  # each row's prompt
     "encoder-ngram": {"encoder_no_repeat_ngram_size": 1},
     "prefix": {"prefix_allowed_tokens_fn": lambda row, sent: [t for t in range(VOCAB) if t % 3 != row]},
+    "synthid": {"watermarking_config": SynthIDTextWatermarkingConfig(keys=[654, 400, 836, 123], ngram_len=3)},
+    "guidance": {"guidance_scale": 3.0},  # each row's unconditional sequence
+    "guidance-negative": {"guidance_scale": 3.0, "negative_prompt_ids": torch.tensor([[5, 6], [7, 8], [9, 10]])},
 }
 
 
 @pytest.mark.parametrize("processor", list(ROW_PROCESSORS))
 def test_logits_processors_holding_something_per_row_read_each_rows_own(processor):
     """transformers builds some processors for the whole batch (per-row padding lengths, prompts, the row index a
-    prefix constraint is asked for); every row reads its own: the batch equals transformers' batched plain decoding,
-    and differs from the batch without the processor."""
+    prefix constraint is asked for, the watermark's and classifier-free guidance's per-row state); every row reads
+    its own: the batch equals transformers' batched plain decoding, and differs from the batch without the
+    processor."""
     model = random_bpd("llama", 0)
     ids, mask = left_padded(random_prompts(3, seed=8, longest=12))  # each processor changes this batch's output
     kwargs = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=PAD)

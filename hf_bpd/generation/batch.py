@@ -40,7 +40,9 @@ import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import (EncoderNoRepeatNGramLogitsProcessor,
                                                     EncoderRepetitionPenaltyLogitsProcessor,
-                                                    PrefixConstrainedLogitsProcessor)
+                                                    PrefixConstrainedLogitsProcessor,
+                                                    SynthIDTextWatermarkLogitsProcessor,
+                                                    UnbatchedClassifierFreeGuidanceLogitsProcessor)
 
 from ..errors import BPDConfigError
 from ..kv_cache import CACHE_NAME
@@ -187,7 +189,7 @@ def _compiled_runner(base, rows: int, needed_length: int, wait: bool):
 def _row_processors(logits_processor, row: int):
     """The call's logits processors as row `row` of the batch sees them: the ones holding something per row of the
     batch (the repetition penalty's padding lengths, the encoder penalties' prompts, the prefix constraint's row
-    index) get the row's own."""
+    index, the SynthID watermark's state, classifier-free guidance's unconditional sequence) get the row's own."""
     out = LogitsProcessorList()
     for processor in logits_processor:
         if isinstance(getattr(processor, "prompt_ignore_length", None), torch.Tensor):
@@ -203,6 +205,13 @@ def _row_processors(logits_processor, row: int):
             processor = copy.copy(processor)
             allowed = processor._prefix_allowed_tokens_fn
             processor._prefix_allowed_tokens_fn = lambda batch_id, sent: allowed(row, sent)
+        elif isinstance(processor, SynthIDTextWatermarkLogitsProcessor):  # its state: the contexts it has seen
+            processor = copy.copy(processor)
+            processor.state = None
+        elif isinstance(processor, UnbatchedClassifierFreeGuidanceLogitsProcessor):  # its unconditional sequences
+            processor = copy.copy(processor)
+            processor.unconditional_context = {key: value[row: row + 1] if isinstance(value, torch.Tensor) else value
+                                               for key, value in processor.unconditional_context.items()}
         out.append(processor)
     return out
 
