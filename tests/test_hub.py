@@ -34,3 +34,16 @@ def test_push_to_hub_uploads_heads_config_and_card(monkeypatch):
     assert pushed["keys"] and all(k.startswith("heads.") for k in pushed["keys"])
     assert "library_name: transformers" in pushed["card"] and "2 resblock head(s)" in pushed["card"]
     assert pushed["kwargs"]["commit_message"] == "heads"
+
+
+def test_push_to_hub_without_the_hub_is_a_one_line_error(monkeypatch):
+    """A real push to an endpoint where nothing listens: the Hub client's connection error becomes one line."""
+    import pytest
+
+    from hf_bpd import BPDError
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: connection refused
+    model = BlockwiseParallelForCausalLM.from_base(tiny_base("qwen2"), num_heads=2)
+    with pytest.raises(BPDError, match=r"cannot be reached: connect and retry, or save_pretrained") as err:
+        model.push_to_hub("me/tiny-bpd")
+    assert "\n" not in str(err.value)

@@ -10,8 +10,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..errors import BaseModelError, CheckpointError
-from .locate import locate, looks_like_path
+from ..errors import BaseModelError, BPDError, CheckpointError
+from .locate import hub_endpoint, hub_offline, hub_reachable, locate, looks_like_path
 
 HEADS_WEIGHTS_NAME = "heads.safetensors"
 FEATURE_DRAFTER_DIR = "feature_drafter"  # a feature-level drafter beside the heads (`hf_bpd.feature_drafter`)
@@ -96,8 +96,15 @@ def push_saved(save, repo_id: str, private=None, token=None, revision=None, **up
 
     from huggingface_hub import HfApi
 
-    api = HfApi(token=token)
-    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    api = HfApi(token=token, endpoint=hub_endpoint())
+    try:
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    except Exception as err:  # the Hub client's connection errors differ between its versions
+        if hub_offline() or not hub_reachable():
+            raise BPDError(f"push_to_hub({repo_id!r}): the Hub ({hub_endpoint()}) cannot be reached"
+                           f"{' (HF_HUB_OFFLINE is set)' if hub_offline() else ''}: connect and retry, or "
+                           "save_pretrained(directory) now and upload that folder later") from err
+        raise
     with tempfile.TemporaryDirectory() as tmp:
         save(tmp)
         return api.upload_folder(repo_id=repo_id, folder_path=tmp, revision=revision, **upload)
