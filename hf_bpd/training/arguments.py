@@ -5,7 +5,7 @@ import argparse
 
 DESCRIPTION = """Train BPD drafting heads with Accelerate (and optionally LoRA in the base through peft).
 
-    accelerate launch training/train_heads.py --model smollm2-135m-instruct --data data/distilled.jsonl \
+    accelerate launch training/train_heads.py --model smollm2-135m-instruct --data data/distilled.jsonl \\
         --num-heads 4 --draft-vocab-size 16384 --epochs 2 --output-dir checkpoints/my-heads
     python training/train_heads.py ...            # the same on one CPU process
     accelerate launch --config_file configs/cpu.yaml training/train_heads.py ... --threads 1

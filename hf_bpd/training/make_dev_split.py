@@ -1,6 +1,6 @@
 """Hold out a dev split and a tuning split of instruction prompts (MT-bench layout: question_id, category, turns).
 
-    python training/make_dev_split.py --data ../shared/data --per-source 10 --output benchmarks/dev_prompts.jsonl \
+    python training/make_dev_split.py --data ../shared/data --per-source 10 --output benchmarks/dev_prompts.jsonl \\
         --tune-per-source 2 --tune-output benchmarks/tune_prompts.jsonl
 
 The dev prompts (the first `--per-source` of each source's shuffled order) are what `hf-bpd bench` reports on; the

@@ -1,7 +1,7 @@
 """Mix instruction data into one ShareGPT JSONL for head training, holding out the dev prompts.
 
-    python training/prepare_sft_data.py --data ../shared/data \
-        --exclude benchmarks/dev_prompts.jsonl benchmarks/tune_prompts.jsonl \
+    python training/prepare_sft_data.py --data ../shared/data \\
+        --exclude benchmarks/dev_prompts.jsonl benchmarks/tune_prompts.jsonl \\
         --per-source 320 --output data/sft_mix.jsonl [--distilled data/distilled.jsonl]
 """
 

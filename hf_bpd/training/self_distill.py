@@ -3,7 +3,7 @@
 Heads learn to predict what *the base* will say (Medusa's self-distillation), so the training targets are the base's
 greedy (or sampled) outputs. Batched, resumable (appends, and skips ids already in the output), deterministic.
 
-    python training/self_distill.py --model smollm2-135m-instruct --prompts a.json b.jsonl \
+    python training/self_distill.py --model smollm2-135m-instruct --prompts a.json b.jsonl \\
         --output data/distilled.jsonl --max-new-tokens 256 --batch-size 32 [--limit N] [--do-sample --seed 0]
     python training/self_distill.py ... --device cuda --dtype bfloat16 --batch-size 128   # on a GPU
     python training/self_distill.py --model checkpoints/smollm2-135m-instruct-bpd ...      # batched drafting

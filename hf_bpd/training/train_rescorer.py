@@ -1,6 +1,6 @@
 """Train the small neural rescorer (paper Sec. 7.1): the base's first layers plus a LoRA, sharing its vocabulary.
 
-    accelerate launch training/train_rescorer.py --model smollm2-135m-instruct --data data/sft_mix.jsonl \
+    accelerate launch training/train_rescorer.py --model smollm2-135m-instruct --data data/sft_mix.jsonl \\
         --num-layers 2 --max-steps 300 --output-dir checkpoints/my-heads/rescorers/neural
 
 A rescorer must be cheap next to a base step: it reuses the base's embeddings, first `--num-layers` decoder layers,

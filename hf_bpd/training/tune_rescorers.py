@@ -1,6 +1,6 @@
 """Pick and tune the rescorers a checkpoint bundles: α per rescorer on held-out prompts, best n-gram by block efficiency.
 
-    python training/tune_rescorers.py --checkpoint checkpoints/my-heads --questions benchmarks/tune_prompts.jsonl \
+    python training/tune_rescorers.py --checkpoint checkpoints/my-heads --questions benchmarks/tune_prompts.jsonl \\
         --ngram data/wiki_4gram.bin data/answers_4gram.bin --neural /tmp/neural_rescorer --neural-layers 2 --bundle
 
 Block efficiency for every α of the paper's grid comes from one greedy reference decode per prompt
