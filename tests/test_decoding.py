@@ -298,6 +298,7 @@ def test_the_kv_cache_goes_by_the_installed_transformers_name(caplog):
         ({"cache_implementation": "static"}, "drafting needs a dynamic KV cache"),
         ({"num_beams": 2}, "beam search cannot be combined"),
         ({"prompt_lookup_num_tokens": 3}, "another drafting method"),
+        ({"use_cache": False}, "drafting needs use_cache=True: drop use_cache=False, or pass use_heads=False"),
     ],
 )
 def test_bad_generate_arguments_are_one_line_errors(kwargs, fragment):

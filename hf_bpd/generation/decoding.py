@@ -283,7 +283,7 @@ def check_supported(input_ids, generation_config, model_kwargs, compiled: bool =
     if cache is not None and cache.get_seq_length() > 0:
         raise BPDConfigError(f"drafting starts from an empty KV cache: drop {CACHE_NAME}, or pass use_heads=False")
     if not generation_config.use_cache:
-        raise BPDConfigError("drafting needs use_cache=True")
+        raise BPDConfigError("drafting needs use_cache=True: drop use_cache=False, or pass use_heads=False")
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise BPDConfigError("output_attentions / output_hidden_states are not returned with drafting heads (a "
                              "verification pass covers several tokens): pass use_heads=False to get them")
