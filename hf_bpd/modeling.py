@@ -20,7 +20,7 @@ from transformers.utils import logging
 from .configuration import BlockwiseParallelConfig
 from .errors import BaseModelError, BPDConfigError
 from .generation.config import BlockwiseGenerationConfig, drafting_options, load_generation_config
-from .generation.decoding import blockwise_decoding, check_inputs, plan_call, transformers_only
+from .generation.decoding import blockwise_decoding, call_option, check_inputs, plan_call, transformers_only
 from .generation.stats import GenerationStats, finish_stats
 from .generation.stopping import stop_strings_as_criteria
 from .heads import CACHE_NAME, BlockwiseParallelOutput, DraftHeads, heads_placement, next_token_loss
@@ -270,21 +270,21 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         """The standard `generate()`, drafting with the heads; the output is the base model's own.
 
         Every `GenerationMixin.generate` argument works as in plain decoding, except what only transformers' own loop
-        runs (beam search, `output_hidden_states`, ...: `use_heads=False` runs the base's `generate()` for them).
+        runs (`transformers_only`: an error with the heads; `use_heads=False` runs the base's `generate()` for it).
         Drafting options (`use_heads`, `rescorer`, `num_drafts`, `tree`, ...; `hf_bpd.BlockwiseGenerationConfig`) come
-        from this call, else `generation_config`, else `model.generation_config`. The call's `GenerationStats` lands
-        on `model.last_generation_stats` (and on the output's `generation_stats` for dict outputs).
+        from this call, else `generation_config`, else `model.generation_config`; its `GenerationStats` lands on
+        `model.last_generation_stats` (and on the output's `generation_stats` for dict outputs).
         """
         start = time.perf_counter()
         options = drafting_options(kwargs, generation_config, self.generation_config)
         prompt = inputs if inputs is not None else kwargs.get("input_ids")
         check_inputs(self, prompt, generation_config, kwargs)  # one-line errors before any forward pass
-        own_loop = transformers_only(kwargs, generation_config, self.generation_config)  # uncompiled, transformers'
-        if not options.use_heads and (not options.compile or own_loop is not None):
+        own_loop = transformers_only(call_option(kwargs, generation_config, self.generation_config))
+        if not options.use_heads and (not options.compile or own_loop is not None):  # transformers' loop, uncompiled
             stats, result = GenerationStats(method="plain"), super().generate(inputs, generation_config, **kwargs)
+        elif own_loop is not None:
+            raise BPDConfigError(own_loop[1])
         else:
-            if own_loop in ("custom_generate", "assistant_model"):
-                raise BPDConfigError(f"{own_loop} replaces the drafting loop: pass use_heads=False with it")
             plan = plan_call(self, options, kwargs)
             stop_strings_as_criteria(kwargs, generation_config, self.generation_config)
             decode = functools.partial(blockwise_decoding, plan=plan)

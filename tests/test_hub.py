@@ -2,10 +2,11 @@
 
 from pathlib import Path
 
+import pytest
 from huggingface_hub import HfApi
 from safetensors.torch import load_file
 
-from hf_bpd import BlockwiseParallelForCausalLM
+from hf_bpd import BlockwiseParallelForCausalLM, BPDError
 from tests.conftest import tiny_base
 
 
@@ -38,10 +39,6 @@ def test_push_to_hub_uploads_heads_config_and_card(monkeypatch):
 
 def test_push_to_hub_without_the_hub_is_a_one_line_error(monkeypatch):
     """A real push to an endpoint where nothing listens: the Hub client's connection error becomes one line."""
-    import pytest
-
-    from hf_bpd import BPDError
-
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: connection refused
     model = BlockwiseParallelForCausalLM.from_base(tiny_base("qwen2"), num_heads=2)
     with pytest.raises(BPDError, match=r"cannot be reached: connect and retry, or save_pretrained") as err:

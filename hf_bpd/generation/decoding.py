@@ -230,11 +230,9 @@ def plan_call(model, options: DraftingOptions, kwargs: dict) -> DecodingPlan:
     return plan
 
 
-def transformers_only(kwargs: dict, generation_config, model_config) -> str | None:
-    """What a `generate()` call asks for that only transformers' own decoding loop does (beam search, contrastive
-    search, DoLa, assisted decoding, attentions or hidden states per token, no or a non-dynamic cache, a filled cache,
-    another `custom_generate`), or None. With `use_heads=False` such a call runs the base's own `generate()`; the
-    options come from the call, else `generation_config`, else the model's."""
+def call_option(kwargs: dict, generation_config, model_config):
+    """`option(name)`: a `generate()` call's value of generation option or argument `name` (the call's `kwargs`',
+    else `generation_config`'s, else `model_config`'s; None when none sets it)."""
     def option(name):
         if name in kwargs:
             return kwargs[name]
@@ -243,50 +241,47 @@ def transformers_only(kwargs: dict, generation_config, model_config) -> str | No
                 return getattr(config, name)
         return None
 
-    cache = kwargs.get(CACHE_NAME)
-    asked = {
-        "num_beams": (option("num_beams") or 1) > 1,
-        "penalty_alpha": bool(option("penalty_alpha")),
-        "dola_layers": option("dola_layers") is not None,
-        "prompt_lookup_num_tokens": option("prompt_lookup_num_tokens") is not None,
-        "assistant_early_exit": option("assistant_early_exit") is not None,
-        "use_mtp": bool(option("use_mtp")),
-        "assistant_model": kwargs.get("assistant_model") is not None,
-        "custom_generate": kwargs.get("custom_generate") is not None,
-        "output_attentions": bool(option("output_attentions")),
-        "output_hidden_states": bool(option("output_hidden_states")),
-        "use_cache=False": option("use_cache") is False,
-        "cache_implementation": option("cache_implementation") not in (None, "dynamic"),
-        CACHE_NAME: cache is not None and (not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0),
-    }
-    return next((name for name, given in asked.items() if given), None)
+    return option
 
 
-def check_supported(input_ids, generation_config, model_kwargs, compiled: bool = False) -> None:
-    """One-line errors for what drafting does not support."""
-    if (generation_config.num_beams or 1) > 1:
-        raise BPDConfigError("beam search cannot be combined with drafting heads: use num_beams=1 or use_heads=False")
-    if generation_config.penalty_alpha or generation_config.dola_layers is not None:
-        raise BPDConfigError("contrastive search / DoLa cannot be combined with drafting heads: pass use_heads=False")
-    if generation_config.prompt_lookup_num_tokens is not None or generation_config.assistant_early_exit is not None \
-            or getattr(generation_config, "use_mtp", False):
-        raise BPDConfigError("another drafting method was requested (prompt lookup / early exit / MTP): pass "
-                             "use_heads=False to use it instead of the heads, or prompt_lookup=True to add prompt "
-                             "lookup's path to the heads' drafts")
-    cache = model_kwargs.get(CACHE_NAME)
-    if generation_config.cache_implementation not in (None, "dynamic") or (
-        cache is not None and not isinstance(cache, DynamicCache)
-    ):
-        raise BPDConfigError(f"drafting needs a dynamic KV cache, got "
-                             f"{generation_config.cache_implementation or type(cache).__name__}: drop "
-                             f"cache_implementation / {CACHE_NAME}, or pass use_heads=False")
+def transformers_only(option) -> tuple[str, str] | None:
+    """`(option, one-line error)` for the first thing a `generate()` call asks for that only transformers' own
+    decoding loop runs (beam search, contrastive search, DoLa, assisted decoding, another `custom_generate`, no or a
+    non-dynamic or filled cache, attentions or hidden states per token), or None. `option(name)`: the call's value of
+    a generation option or argument (`call_option`). With the heads each is an error; with `use_heads=False` such a
+    call runs the base's own `generate()`."""
+    if (option("num_beams") or 1) > 1:
+        return "num_beams", "beam search cannot be combined with drafting heads: use num_beams=1 or use_heads=False"
+    if option("penalty_alpha") or option("dola_layers") is not None:
+        return "penalty_alpha", "contrastive search / DoLa cannot be combined with drafting heads: pass use_heads=False"
+    if option("prompt_lookup_num_tokens") is not None or option("assistant_early_exit") is not None \
+            or option("use_mtp"):
+        return "prompt_lookup_num_tokens", ("another drafting method was requested (prompt lookup / early exit / "
+                                            "MTP): pass use_heads=False to use it instead of the heads, or "
+                                            "prompt_lookup=True to add prompt lookup's path to the heads' drafts")
+    for name in ("assistant_model", "custom_generate"):  # call arguments only (no generation config holds them)
+        if option(name) is not None:
+            return name, f"{name} replaces the drafting loop: pass use_heads=False with it"
+    implementation, cache = option("cache_implementation"), option(CACHE_NAME)
+    if implementation not in (None, "dynamic") or (cache is not None and not isinstance(cache, DynamicCache)):
+        got = implementation or type(cache).__name__
+        return "cache_implementation", (f"drafting needs a dynamic KV cache, got {got}: drop cache_implementation / "
+                                        f"{CACHE_NAME}, or pass use_heads=False")
     if cache is not None and cache.get_seq_length() > 0:
-        raise BPDConfigError(f"drafting starts from an empty KV cache: drop {CACHE_NAME}, or pass use_heads=False")
-    if not generation_config.use_cache:
-        raise BPDConfigError("drafting needs use_cache=True: drop use_cache=False, or pass use_heads=False")
-    if generation_config.output_attentions or generation_config.output_hidden_states:
-        raise BPDConfigError("output_attentions / output_hidden_states are not returned with drafting heads (a "
-                             "verification pass covers several tokens): pass use_heads=False to get them")
+        return CACHE_NAME, f"drafting starts from an empty KV cache: drop {CACHE_NAME}, or pass use_heads=False"
+    if option("use_cache") is False:
+        return "use_cache", "drafting needs use_cache=True: drop use_cache=False, or pass use_heads=False"
+    if option("output_attentions") or option("output_hidden_states"):
+        return "output_attentions", ("output_attentions / output_hidden_states are not returned with drafting heads (a "
+                                     "verification pass covers several tokens): pass use_heads=False to get them")
+    return None
+
+
+def check_supported(generation_config, model_kwargs) -> None:
+    """One-line errors for what drafting does not support (`transformers_only`, on the resolved generation config)."""
+    found = transformers_only(call_option(model_kwargs, generation_config, None))
+    if found is not None:
+        raise BPDConfigError(found[1])
 
 
 @torch.no_grad()
@@ -301,7 +296,7 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
 
 def _blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, *,
                         plan: DecodingPlan, **model_kwargs):
-    check_supported(input_ids, generation_config, model_kwargs, compiled=plan.compile)
+    check_supported(generation_config, model_kwargs)
     mask = model_kwargs.get("attention_mask")
     padded = mask is not None and not bool(mask.all())
     if isinstance(plan.drafter, FeatureChainDrafter) and (input_ids.shape[0] > 1 or padded):
@@ -310,8 +305,7 @@ def _blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, g
                              "without padding, or drafter='heads' for batches")
     if input_ids.shape[0] > 1 or padded:  # a batch (or a padded prompt): ragged rows on one cache (`.batch`)
         plan.stats.method += "+batch"
-        return decode_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, plan,
-                            model_kwargs.get("attention_mask"))
+        return decode_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, plan, mask)
     verifier, runner = None, None
     if plan.compile:
         try:

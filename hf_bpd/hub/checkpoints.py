@@ -100,9 +100,10 @@ def push_saved(save, repo_id: str, private=None, token=None, revision=None, **up
     try:
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
     except Exception as err:  # the Hub client's connection errors differ between its versions
-        if hub_offline() or not hub_reachable():
+        offline = hub_offline()
+        if offline or not hub_reachable():
             raise BPDError(f"push_to_hub({repo_id!r}): the Hub ({hub_endpoint()}) cannot be reached"
-                           f"{' (HF_HUB_OFFLINE is set)' if hub_offline() else ''}: connect and retry, or "
+                           f"{' (HF_HUB_OFFLINE is set)' if offline else ''}: connect and retry, or "
                            "save_pretrained(directory) now and upload that folder later") from err
         raise
     with tempfile.TemporaryDirectory() as tmp:
