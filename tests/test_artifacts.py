@@ -437,3 +437,47 @@ def test_a_drafting_batch_on_the_artifact_weighs_widths_by_the_runners_costs(bui
     out = model.generate(ids, attention_mask=mask, compile=True, **kwargs)
     assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
     assert model.last_generation_stats.verifier == "artifact"
+
+
+def test_a_lone_calls_block_costs_are_timed_once_per_machine(built, monkeypatch):
+    """The block lengths a lone call's cost schedule reads (`warm_up`) are timed once and kept beside the artifact: a
+    later runner reads them and times only lengths not kept; a table whose longer block timed clearly faster than a
+    shorter one (noise) is used by its call but not kept. Timings are fixed here (`_time_step`: 9 ms + 1 ms a
+    token): what is tested is what is kept and read."""
+    from hf_bpd.runtime import compiled
+
+    _, base, path = built
+    kept = path.parent / compiled.STEP_COSTS_FILE
+    kept.unlink(missing_ok=True)
+    noisy, timed = {}, []
+
+    def fixed(self, calls, past, tokens, positions, mask):
+        n = tokens.shape[1]
+        timed.append(n)
+        return [noisy.get(n, 0.009 + 0.001 * n)] * calls
+
+    monkeypatch.setattr(compiled.CompiledRunner, "_time_step", fixed)
+    artifact = artifacts.load(base)
+    runner = ArtifactRunner(base, 64, artifact)
+    runner.warm_up([1, 4], torch.device("cpu"))
+    assert runner.bucket_ms == pytest.approx({1: 10.0, 4: 13.0}) and set(timed) == {1, 4}
+    assert json.loads(kept.read_text()) == {"1": 10.0, "4": 13.0}
+    timed.clear()
+    again = ArtifactRunner(base, 64, artifact)
+    assert again.bucket_ms == pytest.approx({1: 10.0, 4: 13.0})
+    again.warm_up([1, 2, 3, 4], torch.device("cpu"))
+    assert set(timed) == {2, 3} and json.loads(kept.read_text()) == {"1": 10.0, "2": 11.0, "3": 12.0, "4": 13.0}
+    # a new process's first call (`generate`) reads the kept table: nothing timed, the output exact
+    timed.clear()
+    _RUNNERS.pop(base, None)
+    model = BlockwiseParallelForCausalLM.from_base(base, num_heads=2).eval()
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(7))
+    kw = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert torch.equal(model.generate(ids, compile=True, draft_schedule="cost", **kw), base.generate(ids, **kw))
+    assert model.last_generation_stats.verifier == "artifact" and not timed
+    kept.unlink()
+    noisy[4] = 0.008  # 4 tokens timed 20 % under 1: noise, not kept
+    fresh = ArtifactRunner(base, 64, artifact)
+    fresh.warm_up([1, 4], torch.device("cpu"))
+    assert fresh.bucket_ms == pytest.approx({1: 10.0, 4: 8.0}) and not kept.exists()
+    _RUNNERS.pop(base, None)

@@ -44,7 +44,8 @@ from transformers.cache_utils import StaticCache
 from .attention import (ATTENTION_NAME, BATCHED_ATTENTION_NAME, attention_implementation, grouped_query_attention,
                         uses_grouped_attention)
 from .compiled import CACHE_BUCKET, MAX_COMPILED_SHAPES, _Patches
-from .cost import store_json, weight_bytes
+from .cache_files import store_json
+from .cost import weight_bytes
 from .guards import call_compiled, compile_step
 from .ordered_attention import ORDERED_KERNEL_ATTENTION, uses_ordered_attention
 from .packed_linear import packed_base

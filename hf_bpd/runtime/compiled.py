@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import threading
 import time
 import weakref
@@ -24,6 +25,7 @@ import torch._inductor.config as inductor_config
 from torch import nn
 
 from .attention import attention_implementation, grouped_query_attention, uses_grouped_attention
+from .cache_files import store_json
 from .frame_stack import on_fresh_frame_stack
 from .guards import call_compiled, compile_step
 from .inlining import INDUCTOR_OPTIONS, compiler_options
@@ -43,6 +45,9 @@ CACHE_BUCKET = 512
 # 19.8 / 20.3 / 21.9 ms for 1 / 4 / 5 / 8 tokens, `benchmarks/block_profile.py`); 9 start a second row tile.
 COMPILED_DRAFT_SLOTS = 7
 MAX_COMPILED_SHAPES = 64  # block lengths one runner may compile (dynamo's own limit is 8)
+TIMED_CALLS = 5  # timed calls of each block length in `warm_up` (after two untimed ones)
+STEP_COSTS_FILE = "step_costs.json"  # an artifact's timed block lengths, kept beside it (`ArtifactRunner`)
+SANE_DROP = 0.1  # a kept table's longer block may time at most this share under a shorter one
 
 
 class _Patches(contextlib.ExitStack):
@@ -247,20 +252,28 @@ class CompiledRunner:
                 if step is not None:
                     step(torch.zeros(self.base.config.get_text_config().hidden_size, dtype=self.base.dtype,
                                      device=device), 0)
-            for b in buckets:
-                if b in self.compiled_buckets and b in self.bucket_ms:  # (a step compiled by `run` is timed here)
-                    continue
-                # the warm-up writes after the cached context (`take_context`), which stays valid
-                past = len(self.context) if self.context is not None else 0
-                if past + b > self.max_cache_len:
-                    self.context, past = None, 0
-                mask = torch.zeros(1, 1, b, self.max_cache_len, dtype=self.base.dtype, device=device)
-                positions = past + torch.arange(b, device=device)
-                tokens = torch.zeros(1, b, dtype=torch.long, device=device)
-                # the first call compiles; the others time the step (for draft_schedule="cost"), on a frame-stack
-                # chunk of their own, as decoding runs it (`hf_bpd.runtime.frame_stack`)
-                times = on_fresh_frame_stack(self._time_step, 6, past, tokens, positions, mask)
-                self.bucket_ms[b] = 1000 * sorted(times[1:])[2]
+            # (a step compiled by `run` is timed here)
+            pending = [b for b in buckets if not (b in self.compiled_buckets and b in self.bucket_ms)]
+            # the warm-up writes after the cached context (`take_context`), which stays valid
+            past = len(self.context) if self.context is not None else 0
+            if pending and past + max(pending) > self.max_cache_len:
+                self.context, past = None, 0
+            steps = {b: (torch.zeros(1, b, dtype=torch.long, device=device), past + torch.arange(b, device=device),
+                         torch.zeros(1, 1, b, self.max_cache_len, dtype=self.base.dtype, device=device))
+                     for b in pending}
+            # the first two calls of each compile and warm the step up; then the lengths are timed in turns (the
+            # first steps after a load run slower: timed one length after another, the first one read up to ~30 % high),
+            # each call on a frame-stack chunk of its own, as decoding runs it (`hf_bpd.runtime.frame_stack`); the
+            # median of `TIMED_CALLS` is the cost draft_schedule="cost" reads
+            times = {b: [] for b in pending}
+            for turn in range(2 + TIMED_CALLS):
+                for b in pending:
+                    tokens, positions, mask = steps[b]
+                    took = on_fresh_frame_stack(self._time_step, 1, past, tokens, positions, mask)[0]
+                    if turn >= 2:
+                        times[b].append(took)
+            for b in pending:
+                self.bucket_ms[b] = 1000 * sorted(times[b])[TIMED_CALLS // 2]
             self.reset()
         return dict(self.compiled_buckets)
 
@@ -314,7 +327,9 @@ class ArtifactRunner(CompiledRunner):
     """A runner whose verification step is a prebuilt artifact (`hf_bpd.runtime.artifacts`), loaded, not compiled:
     it serves blocks of 1 to `artifacts.MAX_BLOCK` tokens over the used part of the cache. A longer block runs the
     same step eagerly on the same cache, or, with `blocking` (`compile="wait"`), takes the `torch.compile` path of
-    `CompiledRunner`."""
+    `CompiledRunner`. The block lengths `warm_up` times (the cost schedule's table) are timed once per machine and
+    kept beside the artifact (`STEP_COSTS_FILE`; the artifact is per CPU and thread count): a new process's first
+    call reads them instead of timing 7 steps of each (SmolLM2, AMD EPYC, 2 threads: ~0.4 s of a ~2.4 s first call)."""
 
     kind = "artifact"
 
@@ -325,6 +340,37 @@ class ArtifactRunner(CompiledRunner):
         self.artifact, self.max_block = artifact, MAX_BLOCK
         self.kv = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
         self.blocking = False  # set per call: whether a block over `max_block` may compile
+        for block, ms in self._stored_ms().items():  # served by the artifact: nothing to compile, already timed
+            self.compiled_buckets.setdefault(block, 0.0)
+            self.bucket_ms[block] = ms
+
+    def _costs_path(self):
+        path = getattr(self.artifact, "path", None)
+        return None if path is None else path.parent / STEP_COSTS_FILE
+
+    def _stored_ms(self) -> dict[int, float]:
+        """`{block length: ms}` an earlier process timed on this artifact (blocks it serves only)."""
+        try:
+            stored = json.loads(self._costs_path().read_text())
+            return {int(b): float(ms) for b, ms in stored.items() if 1 <= int(b) <= self.max_block and ms > 0}
+        except (OSError, ValueError, TypeError, AttributeError):
+            return {}
+
+    def warm_up(self, buckets, device, heads=None, top_k: int = 0, int8: bool | None = False,
+                blocking: bool = True) -> dict[int, float]:
+        """`CompiledRunner.warm_up`; block lengths the artifact serves that it timed now are kept beside it (best
+        effort: a read-only cache only means timing them again)."""
+        known = set(self.bucket_ms)
+        out = super().warm_up(buckets, device, heads, top_k, int8, blocking)
+        timed = {b: ms for b, ms in self.bucket_ms.items() if b not in known and b <= self.max_block}
+        path = self._costs_path()
+        if timed and path is not None:
+            table = sorted({**self._stored_ms(), **timed}.items())
+            # a longer block timed clearly faster than a shorter one: a noisy timing, not kept (the next process times
+            # again; this call uses it, as any call did before the table was kept)
+            if all(ms >= (1 - SANE_DROP) * shorter for (_, shorter), (_, ms) in zip(table, table[1:])):
+                store_json(path, {str(b): round(ms, 3) for b, ms in table})
+        return out
 
     def run(self, input_ids, position_ids, cache_position, attention_mask, order=None):
         q = input_ids.shape[1]

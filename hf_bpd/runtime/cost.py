@@ -10,7 +10,6 @@ prints the table and stores it as JSON under `$HF_BPD_CACHE/costs/`, keyed by mo
 from __future__ import annotations
 
 import json
-import os
 import platform
 import statistics
 import time
@@ -22,6 +21,7 @@ from transformers.cache_utils import DynamicCache
 
 from ..kv_cache import CACHE_NAME
 from ..hub.base_models import cache_dir, fingerprint
+from .cache_files import store_json
 
 _EAGER_MS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> {n: eager ms}, this process's
 
@@ -189,15 +189,3 @@ def eager_costs_at(base, lengths, past: int = 128, repeats: int = 3) -> dict[int
                           "threads": torch.get_num_threads()})
     return known
 
-
-def store_json(path: Path, data) -> bool:
-    """Write `data` as JSON to `path` whole or not at all (a temporary file renamed into place), best effort: a cache
-    that cannot be written only means measuring again. Returns whether it was written."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        partial.write_text(json.dumps(data, indent=1))
-        os.replace(partial, path)
-        return True
-    except OSError:
-        return False
