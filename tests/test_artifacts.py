@@ -475,6 +475,11 @@ def test_a_lone_calls_block_costs_are_timed_once_per_machine(built, monkeypatch)
     kw = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
     assert torch.equal(model.generate(ids, compile=True, draft_schedule="cost", **kw), base.generate(ids, **kw))
     assert model.last_generation_stats.verifier == "artifact" and not timed
+    # a kept length timed on a loaded machine (5 tokens at 40 ms): new timings that disagree with it replace the table
+    kept.write_text(json.dumps({"5": 40.0}))
+    loaded = ArtifactRunner(base, 64, artifact)
+    loaded.warm_up([1, 4, 8], torch.device("cpu"))
+    assert json.loads(kept.read_text()) == {"1": 10.0, "4": 13.0, "8": 17.0}
     kept.unlink()
     noisy[4] = 0.008  # 4 tokens timed 20 % under 1: noise, not kept
     fresh = ArtifactRunner(base, 64, artifact)

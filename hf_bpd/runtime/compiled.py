@@ -323,6 +323,12 @@ class CompiledRunner:
         self.set_length(0)
 
 
+def _ordered(table: dict[int, float]) -> bool:
+    """Whether no block of `table` (`{block length: ms}`) timed more than `SANE_DROP` under a shorter one."""
+    times = [ms for _, ms in sorted(table.items())]
+    return all(ms >= (1 - SANE_DROP) * shorter for shorter, ms in zip(times, times[1:]))
+
+
 class ArtifactRunner(CompiledRunner):
     """A runner whose verification step is a prebuilt artifact (`hf_bpd.runtime.artifacts`), loaded, not compiled:
     it serves blocks of 1 to `artifacts.MAX_BLOCK` tokens over the used part of the cache. A longer block runs the
@@ -365,11 +371,12 @@ class ArtifactRunner(CompiledRunner):
         timed = {b: ms for b, ms in self.bucket_ms.items() if b not in known and b <= self.max_block}
         path = self._costs_path()
         if timed and path is not None:
-            table = sorted({**self._stored_ms(), **timed}.items())
-            # a longer block timed clearly faster than a shorter one: a noisy timing, not kept (the next process times
-            # again; this call uses it, as any call did before the table was kept)
-            if all(ms >= (1 - SANE_DROP) * shorter for (_, shorter), (_, ms) in zip(table, table[1:])):
-                store_json(path, {str(b): round(ms, 3) for b, ms in table})
+            # the kept table with these timings, or, when they disagree with what it kept (timed on a loaded machine,
+            # say), these alone; none when a longer block of them timed clearly faster than a shorter one (noise: the
+            # next process times again; this call uses them, as any call did before the table was kept)
+            table = next((t for t in ({**self._stored_ms(), **timed}, timed) if _ordered(t)), None)
+            if table is not None:
+                store_json(path, {str(b): round(ms, 3) for b, ms in sorted(table.items())})
         return out
 
     def run(self, input_ids, position_ids, cache_position, attention_mask, order=None):
