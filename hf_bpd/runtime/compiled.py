@@ -252,7 +252,7 @@ class CompiledRunner:
                 if step is not None:
                     step(torch.zeros(self.base.config.get_text_config().hidden_size, dtype=self.base.dtype,
                                      device=device), 0)
-            # (a step compiled by `run` is timed here)
+            # lengths compiled and timed already are skipped (a step compiled by `run` is timed here)
             pending = [b for b in buckets if not (b in self.compiled_buckets and b in self.bucket_ms)]
             # the warm-up writes after the cached context (`take_context`), which stays valid
             past = len(self.context) if self.context is not None else 0
@@ -356,10 +356,13 @@ class ArtifactRunner(CompiledRunner):
 
     def _stored_ms(self) -> dict[int, float]:
         """`{block length: ms}` an earlier process timed on this artifact (blocks it serves only)."""
+        path = self._costs_path()
+        if path is None:
+            return {}
         try:
-            stored = json.loads(self._costs_path().read_text())
+            stored = json.loads(path.read_text())
             return {int(b): float(ms) for b, ms in stored.items() if 1 <= int(b) <= self.max_block and ms > 0}
-        except (OSError, ValueError, TypeError, AttributeError):
+        except (OSError, ValueError, TypeError, AttributeError):  # missing, unreadable or not a {length: ms} table
             return {}
 
     def warm_up(self, buckets, device, heads=None, top_k: int = 0, int8: bool | None = False,
