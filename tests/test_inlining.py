@@ -127,3 +127,21 @@ def test_prefetching_is_off_with_zero_or_an_unknown_template(monkeypatch):
     monkeypatch.setattr(CppMicroGemmFP32Vec, "TEMPLATE_KERNEL", "another torch's template")
     with prefetch.prefetching_gemm_template() as on:
         assert not on and CppMicroGemmFP32Vec.TEMPLATE_KERNEL == "another torch's template"
+
+
+def test_prefetching_applies_in_a_process_that_has_not_loaded_inductor():
+    """`hf-bpd compile` and the background builder enter `prefetching_gemm_template()` in a new process, before
+    anything loaded inductor: the prefetch line must be in the template there too (importing the micro-kernel's
+    module first is a circular import inside torch; the artifacts were built without prefetches then)."""
+    import sys
+
+    script = ("import sys, torch\n"
+              "assert 'torch._inductor.codegen.cpp_micro_gemm' not in sys.modules\n"
+              "from hf_bpd.runtime.prefetch import prefetching_gemm_template\n"
+              "with prefetching_gemm_template() as on:\n"
+              "    from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec\n"
+              "    print(on, '__builtin_prefetch' in CppMicroGemmFP32Vec.TEMPLATE_KERNEL)\n")
+    env = {**os.environ, "HF_BPD_GEMM_PREFETCH": "32"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True"], done.stdout + done.stderr[-2000:]

@@ -53,7 +53,7 @@ from .ordered_attention import uses_ordered_attention
 from .step import VerificationStep, compile_unsupported_reason, kv_layout, sliding_window_of, verification_cache, \
     window_mask
 
-FORMAT = 3  # bump when the exported step changes
+FORMAT = 4  # bump when the exported step changes (4: built with the GEMM weight prefetches)
 STEP, ONE_TOKEN = "step", "one_token"  # the graphs of an artifact: every block, and one token per row (batches)
 ONE_TOKEN_FORMAT = 1  # bump when the exported one-token batch step changes
 ONE_TOKEN_ROWS = 16  # the one-token batch step's example rows (inductor tunes its kernels for that many tokens)

@@ -49,9 +49,13 @@ def prefetching_gemm_template():
     """Inside the block, inductor's fp32 CPU micro-kernel prefetches the weights (see the module docstring)."""
     rows = prefetch_rows()
     try:
+        # inductor's own entry first: in a process that has not loaded inductor yet (`hf-bpd compile`, the
+        # background builder), importing the micro-kernel's module first is a circular import
+        import torch._inductor.compile_fx  # noqa: F401
         from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
         template = CppMicroGemmFP32Vec.TEMPLATE_KERNEL
-    except Exception:  # noqa: BLE001 - another torch: compile without it
+    except Exception as err:  # noqa: BLE001 - another torch: compile without it
+        logger.warning("hf_bpd: GEMM weight prefetches off (%s: %s)", type(err).__name__, err)
         template = None
     if not rows or not isinstance(template, str) or template.count(_LOAD) != 1:
         yield False
