@@ -20,7 +20,8 @@ one token per row, exported at 16 example rows (inductor tunes each GEMM's kerne
 key/value head's query heads stacked as that head's queries in the attention. Its gain comes from the block length
 being static (the step's is dynamic), the tuning for 16 rows and the stacked heads (1-2 % each of the last two).
 SmolLM2's 16-row one-token step: 66.1 ms against 70.9 on the step (minimum of 8 alternating medians; 4 rows 36.7 vs
-38.6, 8 rows 46.8 vs 48.3; Intel Xeon AVX-512, 2 threads, 300 cached tokens). It is built when a batch first runs
+38.6, 8 rows 46.8 vs 48.3; Intel Xeon AVX-512, 2 threads, 300 cached tokens; both built without the GEMM weight
+prefetches, which took the one-token step to 58.2 ms: docs/performance.md). It is built when a batch first runs
 on the artifact (in the background, like the step: the step serves those steps until it is there), or by `hf-bpd
 compile`. A base with sliding-window layers (Gemma-3) has no one-token batch step; its step takes the sliding layers'
 mask as an input of its own (`_WindowedStep`), so a batch's rows, whose slots hold other positions than their index,

@@ -15,9 +15,9 @@ the graphs are kept for every later call of the process. `compile=True` (which n
 fp32 batches on the base's artifact instead (`ArtifactBatchedRunner`, `hf_bpd.runtime.artifacts`: the same step,
 exported once per machine with dynamic rows, block length and context, loaded in seconds; eagerly while it is being
 built in the background): no shape compiles in any call. Its one-token steps run the artifact's one-token batch
-step (`hf_bpd.runtime.artifacts.ONE_TOKEN`, built when a batch first needs it), ~3 % slower than the compiled shape
-at 16 rows (SmolLM2, Intel Xeon, 300 slots in use, same process: 66.1 ms for 16 rows x 1 token against 64.1; the
-step itself took 70.9; docs/performance.md#batches).
+step (`hf_bpd.runtime.artifacts.ONE_TOKEN`, built when a batch first needs it), no slower than the compiled shape
+at 16 rows (SmolLM2, Intel Xeon, 300 slots in use, same process, both with the GEMM weight prefetches: 58.2 ms for
+16 rows x 1 token against 65.0; docs/performance.md#batches).
 Each compiled graph holds its own packed copy of the weights (inductor's freezing), so a base's batched shapes share
 `MAX_GRAPH_BYTES` of them; once that is spent, a new shape runs the same step eagerly on the same cache.
 
