@@ -4,6 +4,7 @@ GEMM micro-kernels of 5..8 rows keep their accumulators in registers. Same resul
 import contextlib
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -132,9 +133,7 @@ def test_prefetching_is_off_with_zero_or_an_unknown_template(monkeypatch):
 def test_prefetching_applies_in_a_process_that_has_not_loaded_inductor():
     """`hf-bpd compile` and the background builder enter `prefetching_gemm_template()` in a new process, before
     anything loaded inductor: the prefetch line must be in the template there too (importing the micro-kernel's
-    module first is a circular import inside torch; the artifacts were built without prefetches then)."""
-    import sys
-
+    module first is a circular import inside torch, which turned the patch off for every artifact's build)."""
     script = ("import sys, torch\n"
               "assert 'torch._inductor.codegen.cpp_micro_gemm' not in sys.modules\n"
               "from hf_bpd.runtime.prefetch import prefetching_gemm_template\n"
