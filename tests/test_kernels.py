@@ -258,11 +258,11 @@ def test_the_random_heads_get_drafts_accepted(kernel_model):
 
 
 def test_kernel_benchmark_smoke(tmp_path):
-    """`benchmarks/kernels.py` runs, and finds hf_bpd's kernels row-invariant on every SmolLM2 shape (GEMMs and
+    """`benchmarks/packed_kernels.py` runs, and finds hf_bpd's kernels row-invariant on every SmolLM2 shape (GEMMs and
     attention)."""
     root = Path(__file__).resolve().parents[1]
     output = tmp_path / "kernels.json"
-    subprocess.run([sys.executable, str(root / "benchmarks" / "kernels.py"), "--repeats", "1", "--threads", "1",
+    subprocess.run([sys.executable, str(root / "benchmarks" / "packed_kernels.py"), "--repeats", "1", "--threads", "1",
                     "--output", str(output)], check=True, cwd=root, capture_output=True, timeout=600)
     rows = json.loads(output.read_text())["rows"]
     gemms = [row for row in rows if not row["shape"].startswith("attention")]

@@ -44,7 +44,11 @@ from ..hub.locate import cache_dir
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_heads.cpp"
 HEADERS = [Path(__file__).resolve().parent / "csrc" / "vector_exp.h"]  # included by both kernel libraries
 # -march=native: the kernel is built on the machine that runs it (the file name carries the CPU's features).
-_CXXFLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-DNDEBUG"]
+# -ffp-contract=off: a multiply and an add stay two roundings wherever the compiler meets them, so a row's sums do not
+# depend on which loop (vectorised or not) computed them. With GCC's default (fused where it chooses) the fp32 path
+# (CPUs without AVX512-VNNI: AVX2) gave a batch's rows values differing in the last bit from lone calls.
+_CXXFLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fvisibility=hidden",
+             "-ffp-contract=off", "-DNDEBUG"]
 _lock = threading.Lock()
 _library = None
 _build_error: str | None = None

@@ -7,7 +7,7 @@ path is measured beside it. Then hf_bpd's ordered attention
 (`csrc/ordered_attention.cpp`) against PyTorch's `scaled_dot_product_attention` on one SmolLM2 layer's static cache
 (9 query heads, 3 key/value heads of 64 dims, 512 slots) with 160 and 400 positions in use.
 
-    python benchmarks/kernels.py --threads 2 --output benchmarks/results/kernels_smollm2_amd_epyc.json
+    python benchmarks/packed_kernels.py --threads 2 --output benchmarks/results/kernels_smollm2_amd_epyc.json
 """
 
 import argparse
