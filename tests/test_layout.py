@@ -26,6 +26,17 @@ def test_no_private_transformers_api_no_path_hacks():
     assert offenders == []
 
 
+def test_scripts_do_not_shadow_installed_modules():
+    """`python benchmarks/x.py` puts `benchmarks/` first on `sys.path`: a script named like an installed module or a
+    standard one (transformers imports the `kernels` package from PyPI) would be imported in its place."""
+    import pkgutil
+
+    paths = [p for p in sys.path if p and Path(p).resolve() != ROOT and ROOT not in Path(p).resolve().parents]
+    taken = {m.name for m in pkgutil.iter_modules(paths)} | set(sys.stdlib_module_names)
+    scripts = [path for folder in ("benchmarks", "training") for path in (ROOT / folder).glob("*.py")]
+    assert scripts and [str(s.relative_to(ROOT)) for s in scripts if s.stem in taken] == []
+
+
 def test_training_scripts_are_thin_wrappers():
     for script in (ROOT / "training").glob("*.py"):
         if script.name != "__init__.py":
