@@ -486,3 +486,32 @@ def test_a_lone_calls_block_costs_are_timed_once_per_machine(built, monkeypatch)
     fresh.warm_up([1, 4], torch.device("cpu"))
     assert fresh.bucket_ms == pytest.approx({1: 10.0, 4: 8.0}) and not kept.exists()
     _RUNNERS.pop(base, None)
+
+
+def test_a_kept_cost_table_that_the_steps_contradict_is_timed_again(built):
+    """A kept block-cost table timed on a loaded machine would price every later process's steps wrongly for good: a
+    process checks each kept length against the median of its first `STALE_STEPS` steps of it. Costs that far off
+    (500 ms a step for a tiny model) are dropped with their file, and the next call times them again and keeps what
+    it timed; costs the steps confirm stay kept."""
+    from hf_bpd.runtime import compiled
+
+    _, base, path = built
+    kept = path.parent / compiled.STEP_COSTS_FILE
+    _RUNNERS.pop(base, None)
+    kept.write_text(json.dumps({str(n): 500.0 + 10 * n for n in range(1, artifacts.MAX_BLOCK + 1)}))
+    model = BlockwiseParallelForCausalLM.from_base(base, num_heads=2).eval()
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(8))
+    kw = dict(max_new_tokens=48, do_sample=False, eos_token_id=None)
+    assert torch.equal(model.generate(ids, compile=True, draft_schedule="cost", **kw), base.generate(ids, **kw))
+    runner = next(r for r in _RUNNERS[base].values() if isinstance(r, ArtifactRunner))
+    assert runner.bucket_ms.get(1) != 500.0 and not kept.exists()  # dropped during the call
+    assert torch.equal(model.generate(ids, compile=True, draft_schedule="cost", **kw), base.generate(ids, **kw))
+    timed = json.loads(kept.read_text())  # timed again in the next call's warm-up, and kept
+    assert set(timed) >= {"1"} and max(timed.values()) < 100.0
+    # a table the steps confirm stays: the same costs read back by a new runner, checked against matching steps
+    again = ArtifactRunner(base, 64, artifacts.load(base))
+    assert again.unchecked == {int(b) for b in timed}
+    for _ in range(compiled.STALE_STEPS):
+        again._check_kept(1, timed["1"])
+    assert 1 not in again.unchecked and again.bucket_ms[1] == timed["1"] and kept.exists()
+    _RUNNERS.pop(base, None)

@@ -48,6 +48,8 @@ MAX_COMPILED_SHAPES = 64  # block lengths one runner may compile (dynamo's own l
 TIMED_CALLS = 5  # timed calls of each block length in `warm_up` (after two untimed ones)
 STEP_COSTS_FILE = "step_costs.json"  # an artifact's timed block lengths, kept beside it (`ArtifactRunner`)
 SANE_DROP = 0.1  # a kept table's longer block may time at most this share under a shorter one
+STALE_STEPS = 16  # a process's steps of a kept block length that are checked against its kept cost (`ArtifactRunner`)
+STALE_SHARE = 0.25  # their median this far from the kept cost: the kept table is dropped and timed again
 
 
 class _Patches(contextlib.ExitStack):
@@ -335,7 +337,12 @@ class ArtifactRunner(CompiledRunner):
     same step eagerly on the same cache, or, with `blocking` (`compile="wait"`), takes the `torch.compile` path of
     `CompiledRunner`. The block lengths `warm_up` times (the cost schedule's table) are timed once per machine and
     kept beside the artifact (`STEP_COSTS_FILE`; the artifact is per CPU and thread count): a new process's first
-    call reads them instead of timing 7 steps of each (SmolLM2, AMD EPYC, 2 threads: ~0.4 s of a ~2.4 s first call)."""
+    call reads them instead of timing 7 steps of each (SmolLM2, AMD EPYC, 2 threads: ~0.4 s of a ~2.4 s first call).
+    A kept table can be wrong for good (timed while the machine was loaded: SmolLM2 on a 2-core AMD EPYC, kept during
+    a test run, priced one token at 40.5 ms and four at 41.0; timed again, one took 29.8 and five 38.5), so a process
+    checks it against its own steps: the median of the first `STALE_STEPS` steps of each kept length, if `STALE_SHARE`
+    off its kept cost, drops the whole table (the file too), and the next call's `warm_up` times every length again and
+    keeps those."""
 
     kind = "artifact"
 
@@ -349,6 +356,8 @@ class ArtifactRunner(CompiledRunner):
         for block, ms in self._stored_ms().items():  # served by the artifact: nothing to compile, already timed
             self.compiled_buckets.setdefault(block, 0.0)
             self.bucket_ms[block] = ms
+        self.unchecked = set(self.bucket_ms)  # kept costs not yet checked against this process's steps
+        self.seen: dict[int, list[float]] = {}  # block length -> ms of this process's steps (while unchecked)
 
     def _costs_path(self):
         path = getattr(self.artifact, "path", None)
@@ -382,6 +391,25 @@ class ArtifactRunner(CompiledRunner):
                 store_json(path, {str(b): round(ms, 3) for b, ms in sorted(table.items())})
         return out
 
+    def _check_kept(self, block: int, ms: float) -> None:
+        """A step of `block` tokens took `ms`: once `STALE_STEPS` of them ran, their median confirms its kept cost
+        or, `STALE_SHARE` off it, drops every kept cost (see the class docstring)."""
+        seen = self.seen.setdefault(block, [])
+        seen.append(ms)
+        if len(seen) < STALE_STEPS:
+            return
+        median = sorted(seen)[len(seen) // 2]
+        self.unchecked.discard(block)
+        if abs(median / self.bucket_ms[block] - 1) <= STALE_SHARE:
+            return
+        for kept in [b for b in self.bucket_ms if b <= self.max_block]:
+            del self.bucket_ms[kept]  # `warm_up` times what is missing
+        self.unchecked.clear()
+        path = self._costs_path()
+        with contextlib.suppress(OSError):
+            if path is not None:
+                path.unlink(missing_ok=True)
+
     def run(self, input_ids, position_ids, cache_position, attention_mask, order=None):
         q = input_ids.shape[1]
         if q > self.max_block:
@@ -393,7 +421,10 @@ class ArtifactRunner(CompiledRunner):
                 return self.step(input_ids, position_ids, cache_position, attention_mask)
         attended = int(cache_position[-1]) + 1  # the cached tokens and this block; the slots after it are not read
         mask = attention_mask[..., :attended].contiguous()
+        start = time.perf_counter()
         logits, hidden = self.artifact(input_ids, position_ids, mask, cache_position[0], self.kv)
+        if q in self.unchecked:
+            self._check_kept(q, 1000 * (time.perf_counter() - start))
         self.last_kind = "artifact"
         self.compiled_buckets.setdefault(q, 0.0)  # nothing compiled in this process
         return logits, hidden
