@@ -85,7 +85,13 @@ def test_shipped_checkpoint_default_generate_is_exact(shipped):
         assert stats.method == "p-best+lookup/7 nodes" and max(stats.draft_tokens) <= COMPILED_DRAFT_SLOTS
         served += sum(stats.accepted_lengths)
         widest = max(widest, max(stats.draft_tokens))
-    assert served > 0 and widest == COMPILED_DRAFT_SLOTS  # the paths and the copy fill the block
+    assert served > 0 and widest > 0
+    # how many nodes pay depends on this machine's block costs (an AVX2 CPU's block of 8 rarely pays); with every node
+    # verified the paths and the copy fill the block
+    x, want = inputs[0], expected[0]
+    got = model.generate(**x, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, draft_schedule="fixed")
+    assert torch.equal(got, want)
+    assert max(model.last_generation_stats.draft_tokens) == COMPILED_DRAFT_SLOTS
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.artifacts)],
