@@ -77,15 +77,14 @@ def test_shipped_checkpoint_default_generate_is_exact(shipped):
     assert (config.compile, config.num_heads_to_use, config.rescorer, config.prompt_lookup) == (True, 4, "ngram", True)
     assert (config.num_drafts, config.draft_nodes, config.draft_schedule) == (8, COMPILED_DRAFT_SLOTS, "cost")
     assert model.config.head_calibration["ranks"][0] < 1  # measured: a second-best path's tokens are weighed less
-    served, widest = 0, 0
+    served = 0
     for x, want in zip(inputs, expected):
         got = model.generate(**x, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
         assert torch.equal(got, want), x["input_ids"].shape
         stats = model.last_generation_stats
         assert stats.method == "p-best+lookup/7 nodes" and max(stats.draft_tokens) <= COMPILED_DRAFT_SLOTS
         served += sum(stats.accepted_lengths)
-        widest = max(widest, max(stats.draft_tokens))
-    assert served > 0 and widest > 0
+    assert served > 0  # drafts were accepted
     # how many nodes pay depends on this machine's block costs (an AVX2 CPU's block of 8 rarely pays); with every node
     # verified the paths and the copy fill the block
     x, want = inputs[0], expected[0]

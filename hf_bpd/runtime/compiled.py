@@ -400,6 +400,7 @@ class ArtifactRunner(CompiledRunner):
             return
         median = sorted(seen)[len(seen) // 2]
         self.unchecked.discard(block)
+        del self.seen[block]
         if abs(median / self.bucket_ms[block] - 1) <= STALE_SHARE:
             return
         for kept in [b for b in self.bucket_ms if b <= self.max_block]:
