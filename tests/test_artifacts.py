@@ -493,7 +493,7 @@ def test_a_kept_cost_table_that_the_steps_contradict_is_timed_again(built):
     process checks each kept length against the median of its first `STALE_STEPS` steps of it. Costs that far off
     (500 ms a step for a tiny model) are dropped with their file, and the next call times them again and keeps what
     it timed; costs the steps confirm stay kept."""
-    from hf_bpd.runtime import compiled
+    from hf_bpd.runtime import cache_files, compiled
 
     _, base, path = built
     kept = path.parent / compiled.STEP_COSTS_FILE
@@ -504,7 +504,7 @@ def test_a_kept_cost_table_that_the_steps_contradict_is_timed_again(built):
     kw = dict(max_new_tokens=64, do_sample=False, eos_token_id=None)
     # every node verified: each step is a block of the same kept length, so its first `STALE_STEPS` steps are checked
     assert torch.equal(model.generate(ids, compile=True, draft_schedule="fixed", **kw), base.generate(ids, **kw))
-    assert len(model.last_generation_stats.accepted_lengths) > compiled.STALE_STEPS
+    assert len(model.last_generation_stats.accepted_lengths) > cache_files.STALE_STEPS
     runner = next(r for r in _RUNNERS[base].values() if isinstance(r, ArtifactRunner))
     assert runner.bucket_ms.get(1) != 500.0 and not kept.exists()  # dropped during the call
     assert torch.equal(model.generate(ids, compile=True, draft_schedule="cost", **kw), base.generate(ids, **kw))
@@ -512,8 +512,52 @@ def test_a_kept_cost_table_that_the_steps_contradict_is_timed_again(built):
     assert set(timed) >= {"1"} and max(timed.values()) < 100.0
     # a table the steps confirm stays: the same costs read back by a new runner, checked against matching steps
     again = ArtifactRunner(base, 64, artifacts.load(base))
-    assert again.unchecked == {int(b) for b in timed}
-    for _ in range(compiled.STALE_STEPS):
+    assert again.kept.unchecked == {int(b) for b in timed}
+    for _ in range(cache_files.STALE_STEPS):
         again._check_kept(1, timed["1"])
-    assert 1 not in again.unchecked and again.bucket_ms[1] == timed["1"] and kept.exists()
+    assert 1 not in again.kept and again.bucket_ms[1] == timed["1"] and kept.exists()
     _RUNNERS.pop(base, None)
+
+
+def test_a_kept_batch_cost_table_that_the_steps_contradict_is_timed_again(built):
+    """The batched runner's kept step costs (`batch_costs.json`) are checked as the lone runner's are: a row count's
+    table that its steps contradict (500 ms a step for a tiny model) is dropped with its entry in the file during the
+    call, the next call times the steps again and keeps them, the other row counts' entries stay; rows stay exact."""
+    from hf_bpd.runtime import batched, cache_files
+    from tests.test_batch import PAD, check_rows, left_padded, random_prompts
+
+    _, base, path = built
+    kept = path.parent / batched.COSTS_FILE
+    kept.unlink(missing_ok=True)  # what earlier tests kept (with run() replaced, 0 ms a step) is not this one's
+    batched.discard_batched_runners(base)
+    model = BlockwiseParallelForCausalLM.from_base(base, num_heads=2).eval()
+    prompts = random_prompts(4, seed=3, longest=10)
+    kwargs = dict(max_new_tokens=64, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    ids, mask = left_padded(prompts)
+    model.generate(ids, attention_mask=mask, compile=True, **kwargs)  # the honest table, timed and kept
+    stored = json.loads(kept.read_text())
+    entries = [e for e in stored if e.startswith("4 rows")]  # the one the call used (one-token batch step or not)
+    honest = {e: stored[e] for e in entries}
+    stored.update({e: {n: 500.0 + ms for n, ms in table.items()} for e, table in honest.items()})
+    stored["2 rows"] = {"1": 7.0}  # another row count's entry: not this runner's to drop
+    kept.write_text(json.dumps(stored))
+    batched.discard_batched_runners(base)
+    out = model.generate(ids, attention_mask=mask, compile=True, **kwargs)
+    assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
+    runner = next(iter(batched._RUNNERS[base].values()))
+    assert not runner.kept.unchecked and not runner._costs  # found wrong during the call, dropped
+    stored = json.loads(kept.read_text())
+    dropped = [e for e in entries if e not in stored]
+    assert len(dropped) == 1 and stored["2 rows"] == {"1": 7.0}  # the entry its steps priced, no other
+    out = model.generate(ids, attention_mask=mask, compile=True, **kwargs)  # times them again, and keeps them
+    assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
+    entry = runner._cost_entry(runner._costs_key)
+    retimed = json.loads(kept.read_text())[entry]
+    assert entry == dropped[0] and set(retimed) == set(honest[entry]) and max(retimed.values()) < 100.0
+    # a table the steps confirm stays: checked against steps that match it
+    ms = runner._costs[4]
+    runner.kept = cache_files.KeptCostCheck([4])
+    for _ in range(cache_files.STALE_STEPS):
+        runner._check_kept(4, ms)
+    assert 4 not in runner.kept and runner._costs[4] == ms and json.loads(kept.read_text())[entry] == retimed
+    batched.discard_batched_runners(base)

@@ -44,7 +44,7 @@ from transformers.cache_utils import StaticCache
 from .attention import (ATTENTION_NAME, BATCHED_ATTENTION_NAME, attention_implementation, grouped_query_attention,
                         uses_grouped_attention)
 from .compiled import CACHE_BUCKET, MAX_COMPILED_SHAPES, _Patches
-from .cache_files import store_json
+from .cache_files import KeptCostCheck, store_json
 from .cost import weight_bytes
 from .guards import call_compiled, compile_step
 from .ordered_attention import ORDERED_KERNEL_ATTENTION, uses_ordered_attention
@@ -205,6 +205,7 @@ class ArtifactBatchedRunner(BatchedRunner):
         self.kv = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
         self._costs: dict[int, float] = {}  # tokens -> ms of this runner's steps (`measured_costs`)
         self._costs_key = None  # whether the one-token batch step was there when they were timed
+        self.kept = KeptCostCheck()  # the costs read from `COSTS_FILE`, checked against this process's steps
 
     def run(self, tokens, positions, mask, key_slots=None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         width = tokens.shape[1]
@@ -220,22 +221,47 @@ class ArtifactBatchedRunner(BatchedRunner):
         rows = tokens.shape[0]  # the cache's first rows (a row-slice of a contiguous tensor is dense)
         kv = self.kv if rows == self.rows else [t[:rows] for t in self.kv]
         step = self.one_token if width == 1 and self.one_token is not None else self.artifact
+        start = time.perf_counter()
         # dense inputs: the artifact's code indexes rows by the strides it was built with
         logits, hidden = step(tokens.contiguous(), positions.contiguous(), attended, torch.tensor(past), kv)
+        # a kept cost is checked against steps shaped as it was timed (every row, or one token on fewer rows)
+        if (rows * width in self.kept and (width == 1 or rows == self.rows)
+                and self._costs_key == (self.one_token is not None)):
+            self._check_kept(rows * width, 1000 * (time.perf_counter() - start))
         return logits, hidden, False
+
+    def _check_kept(self, tokens: int, ms: float) -> None:
+        """A step over `tokens` tokens took `ms`: checked against its kept cost; a kept table its steps contradict
+        (timed on a loaded machine, say) is dropped with its entry in `COSTS_FILE`, and the next call's
+        `measured_costs` times the steps again (`KeptCostCheck`)."""
+        if not self.kept.step(tokens, ms, self._costs[tokens]):
+            return
+        entry, self._costs, self._costs_key = self._cost_entry(self._costs_key), {}, None
+        path = getattr(self.artifact, "path", None)
+        if path is None:
+            return
+        path = path.parent / COSTS_FILE
+        try:
+            stored = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(stored, dict) and stored.pop(entry, None) is not None:
+            store_json(path, stored)
 
     def measured_costs(self, max_width: int) -> dict[int, float]:
         """`{tokens: ms}` of this runner's own steps, for the batch's width choice: blocks of 1 to `max_width` tokens
         on every row, and one token on fewer rows (halved down to 1: rows leave as they finish), each the median of
         `COST_CALLS` calls after one untimed, written past the cache's current length and rolled back. Timed once per
         machine (kept beside the artifact, `COSTS_FILE`, per row count, and apart for the one-token batch step: ~3 s
-        for 16 rows of SmolLM2); the batch's own steps then correct the table (`BatchWidth.timing`). The eager
+        for 16 rows of SmolLM2, checked against each process's own steps: `_check_kept`); the batch's own steps then
+        correct the table (`BatchWidth.timing`). The eager
         forward's table misjudges these steps: its costs are mostly fixed overhead, theirs grow with the tokens
         (SmolLM2, AMD EPYC, 2 threads, 16 rows: eager 151 / 168 / 188 ms for 1 / 2 / 3 tokens a row, the artifact
         52 / 85 / 124), so scaled to a plain step it priced a drafted one at half to two thirds of its cost."""
         key = self.one_token is not None
         if self._costs_key != key:
             self._costs, self._costs_key = self._stored_costs(key), key
+            self.kept = KeptCostCheck(self._costs)
         past = int(self.cache.layers[0].cumulative_length)
         wanted = [(self.rows, w) for w in range(1, max_width + 1)]
         rows = self.rows // 2

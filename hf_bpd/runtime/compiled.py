@@ -25,7 +25,7 @@ import torch._inductor.config as inductor_config
 from torch import nn
 
 from .attention import attention_implementation, grouped_query_attention, uses_grouped_attention
-from .cache_files import store_json
+from .cache_files import KeptCostCheck, store_json
 from .frame_stack import on_fresh_frame_stack
 from .guards import call_compiled, compile_step
 from .inlining import INDUCTOR_OPTIONS, compiler_options
@@ -48,8 +48,6 @@ MAX_COMPILED_SHAPES = 64  # block lengths one runner may compile (dynamo's own l
 TIMED_CALLS = 5  # timed calls of each block length in `warm_up` (after two untimed ones)
 STEP_COSTS_FILE = "step_costs.json"  # an artifact's timed block lengths, kept beside it (`ArtifactRunner`)
 SANE_DROP = 0.1  # a kept table's longer block may time at most this share under a shorter one
-STALE_STEPS = 16  # a process's steps of a kept block length that are checked against its kept cost (`ArtifactRunner`)
-STALE_SHARE = 0.25  # their median this far from the kept cost: the kept table is dropped and timed again
 
 
 class _Patches(contextlib.ExitStack):
@@ -340,9 +338,9 @@ class ArtifactRunner(CompiledRunner):
     call reads them instead of timing 7 steps of each (SmolLM2, AMD EPYC, 2 threads: ~0.4 s of a ~2.4 s first call).
     A kept table can be wrong for good (timed while the machine was loaded: SmolLM2 on a 2-core AMD EPYC, kept during
     a test run, priced one token at 40.5 ms and four at 41.0; timed again, one took 29.8 and five 38.5), so a process
-    checks it against its own steps: the median of the first `STALE_STEPS` steps of each kept length, if `STALE_SHARE`
-    off its kept cost, drops the whole table (the file too), and the next call's `warm_up` times every length again and
-    keeps those."""
+    checks it against its own steps (`hf_bpd.runtime.cache_files.KeptCostCheck`: the median of the first 16 steps of
+    each kept length, if 25 % off its kept cost, condemns the table): the table is dropped (the file too), and the next
+    call's `warm_up` times every length again and keeps those."""
 
     kind = "artifact"
 
@@ -356,8 +354,7 @@ class ArtifactRunner(CompiledRunner):
         for block, ms in self._stored_ms().items():  # served by the artifact: nothing to compile, already timed
             self.compiled_buckets.setdefault(block, 0.0)
             self.bucket_ms[block] = ms
-        self.unchecked = set(self.bucket_ms)  # kept costs not yet checked against this process's steps
-        self.seen: dict[int, list[float]] = {}  # block length -> ms of this process's steps (while unchecked)
+        self.kept = KeptCostCheck(self.bucket_ms)  # kept costs, checked against this process's steps
 
     def _costs_path(self):
         path = getattr(self.artifact, "path", None)
@@ -392,20 +389,12 @@ class ArtifactRunner(CompiledRunner):
         return out
 
     def _check_kept(self, block: int, ms: float) -> None:
-        """A step of `block` tokens took `ms`: once `STALE_STEPS` of them ran, their median confirms its kept cost
-        or, `STALE_SHARE` off it, drops every kept cost (see the class docstring)."""
-        seen = self.seen.setdefault(block, [])
-        seen.append(ms)
-        if len(seen) < STALE_STEPS:
-            return
-        median = sorted(seen)[len(seen) // 2]
-        self.unchecked.discard(block)
-        del self.seen[block]
-        if abs(median / self.bucket_ms[block] - 1) <= STALE_SHARE:
+        """A step of `block` tokens took `ms`: checked against its kept cost; a kept table its steps contradict is
+        dropped with its file (`KeptCostCheck`; see the class docstring)."""
+        if not self.kept.step(block, ms, self.bucket_ms[block]):
             return
         for kept in [b for b in self.bucket_ms if b <= self.max_block]:
             del self.bucket_ms[kept]  # `warm_up` times what is missing
-        self.unchecked.clear()
         path = self._costs_path()
         with contextlib.suppress(OSError):
             if path is not None:
@@ -424,7 +413,7 @@ class ArtifactRunner(CompiledRunner):
         mask = attention_mask[..., :attended].contiguous()
         start = time.perf_counter()
         logits, hidden = self.artifact(input_ids, position_ids, mask, cache_position[0], self.kv)
-        if q in self.unchecked:
+        if q in self.kept:
             self._check_kept(q, 1000 * (time.perf_counter() - start))
         self.last_kind = "artifact"
         self.compiled_buckets.setdefault(q, 0.0)  # nothing compiled in this process
