@@ -388,6 +388,39 @@ def test_drafted_widths_are_charged_what_drafting_the_rows_costs():
     assert p.drafting_cost(4) == pytest.approx(40.0)
 
 
+def test_a_probe_drafts_each_rows_rescored_best_path(monkeypatch):
+    """While drafting does not pay (steep forced costs: every step plain), the probes' shadow drafts are what a
+    drafted step would verify first, each row's best path as its drafter rescores it, not the heads' argmax chain:
+    with a rescorer that knows the rows' continuations (random heads' argmax chains are almost never accepted) most
+    shadow tokens are accepted, and every row stays exact."""
+    from hf_bpd.generation import batch, batch_width
+
+    scored = []
+
+    def recording(draft, decoded):
+        scored.append(batch_width.shadow_accepted(draft, decoded))
+        return scored[-1]
+
+    monkeypatch.setattr(batch, "shadow_accepted", recording)
+    monkeypatch.setattr(batch, "forward_costs", lambda base, max_tokens: {1: 10.0, 4096: 40960.0})
+    monkeypatch.setattr(batch_width, "TIMING_WEIGHT", 0.0)  # the forced table, not this machine's timings
+    monkeypatch.setattr(batch_width, "PROBE_EVERY", 2)  # probes often: a short call scores several
+    model = random_bpd("llama", 0)
+    prompts = random_prompts(3, seed=9, longest=20)
+    kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    references = {tuple(p.tolist()): model.base_lm.generate(p[None], **kwargs)[0].tolist() for p in prompts}
+    ids, mask = left_padded(prompts)
+    # the model's defaults, not the call's options (which make each row draft as they say, every draft verified)
+    model.generation_config.rescorer, model.generation_config.draft_top_k = ReferenceRescorer(references), 2
+    out = model.generate(ids, attention_mask=mask, **kwargs)
+    assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
+    stats = model.last_generation_stats
+    assert stats.method == "chain/cost-aware+batch"  # one path a row (`num_drafts=1`), weighed by the switch
+    assert sum(n for row in stats.rows for n in row.draft_tokens) == 0  # nothing verified: every step plain
+    tried, accepted = map(sum, zip(*scored))
+    assert len(scored) >= 6 and accepted > 0.5 * tried, scored  # the reference's tokens up to its corruption
+
+
 @pytest.mark.parametrize("costs, drafting", [({1: 1e6, 4096: 1e6}, True), ({1: 10.0, 4096: 40960.0}, False)],
                          ids=["flat-costs-draft", "steep-costs-plain"])
 def test_the_switch_turns_drafting_on_and_off_and_rows_stay_exact(costs, drafting, monkeypatch):

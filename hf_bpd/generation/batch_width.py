@@ -12,8 +12,8 @@ block only when it beats the best narrower one by `MARGIN`; `W = 1` is a plain s
 padded). A row that accepts nothing sets the pace of a batch whose rows all have as much left (every drafted step
 then costs more for no sooner end); rows that accept much finish early and leave cheaper steps behind. `drafting` is
 the running per-row time of this call's drafted steps' drafting (each row's drafter rescores its paths: 0.5–3 ms a
-row, growing with the depths it rescores), kept apart from the shadow probes' (one heads call for all rows, ~0.25 ms
-a row), which stand in only until a drafted step has run. On a CPU a forward's cost grows with its
+row, growing with the depths it rescores), kept apart from the shadow probes' (every head and the rescoring of each
+row's best path over all of them), which stand in only until a drafted step has run. On a CPU a forward's cost grows with its
 tokens (SmolLM2, eager, AMD EPYC: ~110 ms for a batch of 16 one-token rows, ~160 for 16 two-token rows), so a batch of
 16 rows verifying 8 tokens each lost to plain batched decoding; the switch verifies the depths that pay, and none
 when none do.
@@ -31,8 +31,9 @@ rows did not reach (SmolLM2 fp32, Intel Xeon, 2 threads, 32 dev prompts x 96, ag
 in the same process: 0.95x at 16 rows, 1.14x at 4; lowered by half a standard error 1.01x and 1.13x; by one 0.99–1.04x
 (never drafting) and 1.10–1.13x).
 While plain steps run nothing is verified, so every `PROBE_EVERY`-th plain step (every `4 * PROBE_EVERY`-th while no
-width comes within `HOPELESS` of paying) drafts anyway (one batched heads call) and the drafts are scored against
-the tokens the rows then decode ("shadow" drafts: counted like verified ones, at no verification cost). The first
+width comes within `HOPELESS` of paying) drafts anyway (one batched heads call, then each row's best path as its
+drafter rescores it: what a drafted step would verify first) and the drafts are scored against the tokens the rows
+then decode ("shadow" drafts: counted like verified ones, at no verification cost). The first
 step of a call is plain: it measures what a step of this batch costs before any width is weighed. The costs: the
 base's eager forward of `n` tokens on this machine, measured once per process at a few lengths and interpolated
 (`forward_costs`), then corrected by the call's own steps as they come in: a step's measured time (forward,
@@ -95,7 +96,7 @@ class BatchWidth:
         self.hits = [[0] * depths for _ in range(rows)]
         self.plain_steps = 0  # plain steps since the last drafted or probed one
         self.drafting_row_ms = 0.0  # running ms per row of a drafted step's drafting (the drafter's full work)
-        self.probe_row_ms = 0.0  # running ms per row of a plain step's shadow drafts (one heads call, argmax chains)
+        self.probe_row_ms = 0.0  # running ms per row of a plain step's shadow drafts (one path a row)
         self.hopeless = False  # whether the last choice found every drafted width far from paying
         self.last_drafting_ms = 0.0  # what the last step's drafting took (0: none)
         self.realized = [[0.0, 0.0, 0], [0.0, 0.0, 0]]  # plain, drafted steps: decaying tokens, ms; steps
@@ -162,7 +163,7 @@ class BatchWidth:
 
     def drafting_cost(self, rows: int) -> float:
         """ms that drafting `rows` rows for a drafted step is expected to take: the running per-row time of this
-        call's drafted steps, or, before one has run, of its shadow probes (cheaper: a lower bound)."""
+        call's drafted steps, or, before one has run, of its shadow probes (one path a row: a lower bound)."""
         return rows * (self.drafting_row_ms or self.probe_row_ms)
 
     def finish_ms(self, gains: list[float], remaining: list[int], width: int, computed=None) -> float:
@@ -227,7 +228,7 @@ class BatchWidth:
     def stepped(self, width: int, drafting_ms: float | None, rows: int = 1) -> None:
         """A step of `width` over `rows` rows ran; `drafting_ms`: what drafting its rows took (for verification, or
         as a plain step's shadow drafts), None when they did not draft. Drafted steps and probes keep their own
-        per-row times: a drafted step's drafter rescores every row, a probe only runs the heads."""
+        per-row times: a drafted step's drafter fills each row's node budget, a probe drafts one path a row."""
         self.last_drafting_ms = drafting_ms or 0.0
         if drafting_ms is not None:
             name = "drafting_row_ms" if width > 1 else "probe_row_ms"
