@@ -42,6 +42,10 @@ def test_the_key_and_the_graphs_of_a_windowed_artifact(built):
     assert "window" in artifacts.one_token_unsupported_reason(base)
     loaded = artifacts.load(base)
     assert loaded.window == 8 and artifacts.load(base, threads=2) is None  # built for 1 thread only
+    from hf_bpd.evaluation.batch_bench import _build_artifact
+
+    _build_artifact(base)  # what `hf-bpd bench --batch-size` builds first: the step only (its batches never load more)
+    assert not any(path.parent.glob("one_token*"))
 
 
 def test_batch_rows_on_their_own_positions_get_the_eager_step_s_windows(built):
