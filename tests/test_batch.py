@@ -411,7 +411,8 @@ def test_a_probe_drafts_each_rows_rescored_best_path(monkeypatch):
     references = {tuple(p.tolist()): model.base_lm.generate(p[None], **kwargs)[0].tolist() for p in prompts}
     ids, mask = left_padded(prompts)
     # the model's defaults, not the call's options (which make each row draft as they say, every draft verified)
-    model.generation_config.rescorer, model.generation_config.draft_top_k = ReferenceRescorer(references), 2
+    monkeypatch.setattr(model.generation_config, "rescorer", ReferenceRescorer(references))  # (a shared model)
+    monkeypatch.setattr(model.generation_config, "draft_top_k", 2)
     out = model.generate(ids, attention_mask=mask, **kwargs)
     assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
     stats = model.last_generation_stats
