@@ -44,8 +44,8 @@ def test_shipped_checkpoint_bundles_what_the_readme_uses(shipped):
     assert (CHECKPOINT / "README.md").read_text().count("Block efficiency") >= 1
 
 
-@pytest.mark.parametrize("rescorer", [None, "ngram", "neural"])
-@pytest.mark.parametrize("num_drafts", [1, 4, 16])
+# each rescorer and each draft count at least once (the full 3 x 3 grid added ~3.5 min of eager decoding to the suite)
+@pytest.mark.parametrize("rescorer, num_drafts", [(None, 4), ("ngram", 1), ("ngram", 16), ("neural", 16)])
 def test_shipped_checkpoint_is_exact_with_each_rescorer(shipped, rescorer, num_drafts):
     model, inputs, expected = shipped
     served = 0
