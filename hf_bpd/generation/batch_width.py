@@ -15,8 +15,8 @@ the running per-row time of this call's drafted steps' drafting (each row's draf
 row, growing with the depths it rescores), kept apart from the shadow probes' (every head and the rescoring of each
 row's best path over all of them), which stand in only until a drafted step has run. On a CPU a forward's cost
 grows with its tokens (SmolLM2, eager, AMD EPYC: ~110 ms for a batch of 16 one-token rows, ~160 for 16 two-token
-rows), so a batch of 16 rows verifying 8 tokens each lost to plain batched decoding; the switch verifies the depths that pay, and none
-when none do.
+rows), so a batch of 16 rows verifying 8 tokens each lost to plain batched decoding; the switch verifies the depths
+that pay, and none when none do.
 
 The estimates can err where the realized steps do not: each step's tokens per row per millisecond (its drafting,
 or a plain step's shadow drafts, included) go into two decaying rates, plain and drafted steps (`delivered`). While
