@@ -236,17 +236,8 @@ class ArtifactBatchedRunner(BatchedRunner):
         `measured_costs` times the steps again (`KeptCostCheck`)."""
         if not self.kept.step(tokens, ms, self._costs[tokens]):
             return
-        entry, self._costs, self._costs_key = self._cost_entry(self._costs_key), {}, None
-        path = getattr(self.artifact, "path", None)
-        if path is None:
-            return
-        path = path.parent / COSTS_FILE
-        try:
-            stored = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return
-        if isinstance(stored, dict) and stored.pop(entry, None) is not None:
-            store_json(path, stored)
+        self._store_costs(self._costs_key, None)
+        self._costs, self._costs_key = {}, None
 
     def measured_costs(self, max_width: int) -> dict[int, float]:
         """`{tokens: ms}` of this runner's own steps, for the batch's width choice: blocks of 1 to `max_width` tokens
@@ -254,8 +245,8 @@ class ArtifactBatchedRunner(BatchedRunner):
         `COST_CALLS` calls after one untimed, written past the cache's current length and rolled back. Timed once per
         machine (kept beside the artifact, `COSTS_FILE`, per row count, and apart for the one-token batch step: ~3 s
         for 16 rows of SmolLM2, checked against each process's own steps: `_check_kept`); the batch's own steps then
-        correct the table (`BatchWidth.timing`). The eager
-        forward's table misjudges these steps: its costs are mostly fixed overhead, theirs grow with the tokens
+        correct the table (`BatchWidth.timing`). The eager forward's table misjudges these steps: its costs are
+        mostly fixed overhead, theirs grow with the tokens
         (SmolLM2, AMD EPYC, 2 threads, 16 rows: eager 151 / 168 / 188 ms for 1 / 2 / 3 tokens a row, the artifact
         52 / 85 / 124), so scaled to a plain step it priced a drafted one at half to two thirds of its cost."""
         key = self.one_token is not None
@@ -287,7 +278,7 @@ class ArtifactBatchedRunner(BatchedRunner):
                 self._costs[rows * width] = sorted(times[1:])[COST_CALLS // 2]
                 measured = True
         if measured:
-            self._store_costs(key)
+            self._store_costs(key, self._costs)
         return dict(self._costs)
 
     def _cost_entry(self, one_token: bool) -> str:
@@ -301,8 +292,9 @@ class ArtifactBatchedRunner(BatchedRunner):
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return {}
 
-    def _store_costs(self, one_token: bool) -> None:
-        """Keep the costs beside the artifact (best effort: a read-only cache only means timing them again)."""
+    def _store_costs(self, one_token: bool, costs: dict[int, float] | None) -> None:
+        """Keep `costs` beside the artifact as this runner's entry, or drop the entry (`None`) (best effort: a
+        read-only cache only means timing them again)."""
         path = getattr(self.artifact, "path", None)
         if path is None:
             return
@@ -311,7 +303,13 @@ class ArtifactBatchedRunner(BatchedRunner):
             stored = json.loads(path.read_text()) if path.is_file() else {}
         except (OSError, ValueError):
             return
-        stored[self._cost_entry(one_token)] = {str(n): round(ms, 3) for n, ms in sorted(self._costs.items())}
+        if not isinstance(stored, dict):  # not a table of entries: left as it is
+            return
+        entry = self._cost_entry(one_token)
+        if costs is not None:
+            stored[entry] = {str(n): round(ms, 3) for n, ms in sorted(costs.items())}
+        elif stored.pop(entry, None) is None:
+            return
         store_json(path, stored)
 
 
