@@ -50,6 +50,27 @@ def tiny_smollm2_vocab_base(tokenizer):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+def pytest_configure(config):
+    """The machine's kept timing tables as the session finds them (`tests/kept_timings.py`), in the process that runs
+    the session (under pytest-xdist the controller, which outlives its workers)."""
+    if not hasattr(config, "workerinput"):
+        from hf_bpd.hub.locate import cache_dir
+
+        from tests.kept_timings import kept_tables
+
+        config.hf_bpd_kept_timings = (cache_dir(), kept_tables(cache_dir()))
+
+
+def pytest_unconfigure(config):
+    """The kept timing tables put back as the session found them: timed while the suite loads the cores, they would
+    misprice every later call's steps on this machine."""
+    kept = getattr(config, "hf_bpd_kept_timings", None)
+    if kept is not None:
+        from tests.kept_timings import restore
+
+        restore(*kept)
+
+
 @pytest.fixture(autouse=True)
 def no_artifacts_unless_marked(request, monkeypatch):
     """`generate(compile=True)` on a CPU would build each tiny base's artifact in a background process
