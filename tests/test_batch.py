@@ -422,6 +422,39 @@ def test_a_probe_drafts_each_rows_rescored_best_path(monkeypatch):
     assert len(scored) >= 6 and accepted > 0.5 * tried, scored  # the reference's tokens up to its corruption
 
 
+def test_a_probe_drafts_a_few_rows_in_turn(monkeypatch):
+    """A probe drafts at most `PROBE_ROWS` rows, those probed longest ago (a probe of every row cost up to a quarter of
+    a plain step at 16 rows): over a call every row is probed and scored, and every row stays exact."""
+    from hf_bpd.generation import batch, batch_width
+
+    probes, policies = [], []
+
+    class Recording(batch_width.BatchWidth):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            policies.append(self)
+
+        def stepped(self, width, drafting_ms, rows=1):
+            if width == 1 and drafting_ms is not None:
+                probes.append(rows)
+            super().stepped(width, drafting_ms, rows)
+
+    monkeypatch.setattr(batch, "BatchWidth", Recording)
+    monkeypatch.setattr(batch, "forward_costs", lambda base, max_tokens: {1: 10.0, 4096: 40960.0})
+    monkeypatch.setattr(batch_width, "TIMING_WEIGHT", 0.0)  # the forced table: every step plain
+    monkeypatch.setattr(batch_width, "PROBE_EVERY", 2)
+    model = random_bpd("llama", 0)
+    prompts = random_prompts(10, seed=5, longest=16)
+    kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    ids, mask = left_padded(prompts)
+    out = model.generate(ids, attention_mask=mask, **kwargs)
+    assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
+    assert sum(n for row in model.last_generation_stats.rows for n in row.draft_tokens) == 0  # every step plain
+    (policy,) = policies
+    assert len(probes) >= 3 and max(probes) <= batch_width.PROBE_ROWS, probes  # 10 rows: 3 probes reach all
+    assert all(tries[0] > 0 for tries in policy.tries), policy.tries  # every row's shadow draft scored
+
+
 @pytest.mark.parametrize("costs, drafting", [({1: 1e6, 4096: 1e6}, True), ({1: 10.0, 4096: 40960.0}, False)],
                          ids=["flat-costs-draft", "steep-costs-plain"])
 def test_the_switch_turns_drafting_on_and_off_and_rows_stay_exact(costs, drafting, monkeypatch):

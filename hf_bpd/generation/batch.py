@@ -117,51 +117,61 @@ def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: di
     """One step's draft trees at the width `policy` chooses: each row's drafts in `width - 1` nodes (its drafter's
     paths, rescored over the first `width - 1` heads, the depths the step verifies, and prompt lookup's copy
     best-first; a chain of the heads' argmax tokens for drafters that cannot take a budget), or no drafts (a plain
-    step; shadow drafts are kept for the rows when a probe is due: each row's best path as its drafter rescores it,
-    or the heads' argmax chain for drafters that cannot take a budget). The heads run once for every row
-    (`heads_step`, the int8 kernel's `_rows_heads_step`, when given: `(log-probabilities, draft-vocabulary indices)`,
+    step; when a probe is due, shadow drafts are kept for the `PROBE_ROWS` rows probed longest ago: each one's best
+    path as its drafter rescores it, or the heads' argmax chain for drafters that cannot take a budget). The heads run
+    once for the rows drafted (`heads_step`, the int8 kernel's `_rows_heads_step`, when given: `(log-probabilities, draft-vocabulary indices)`,
     `(rows, heads, top_k)` each). A probe's shadow drafts stand for what a drafted step would verify: the heads'
     argmax chains were accepted less often than the drafter's paths (SmolLM2, 32 dev prompts x 96 in batches of 4,
     84 probes: first token 0.38 against 0.52 for the rescored best path, 0.49 for the best single node a 2-token
-    block verifies), so they held back widths that paid."""
+    block verifies), so they held back widths that paid. A probe of every row cost as much as a quarter of a plain
+    step at 16 rows (a 16-row heads call 13.3 ms and 16 rescorings ~1.4 ms each against a ~65-130 ms step, AMD EPYC
+    AVX2, 2 threads), so a probe drafts a few rows, in turn."""
     left = [generation_config.max_length - row.sequence.shape[1] for row in active]  # the step's token included
     width = policy.choose([row.index for row in active], left, computed)
     chains, drafting_ms, budgeted = None, None, _budgeted(plan.drafter)
     trees = [DraftTree([]) for _ in active]
-    if width > 1 or (policy.max_width > 1 and policy.probe_due()):
+    drafted = list(range(len(active))) if width > 1 else []  # positions in `active` of the rows drafted now
+    if width == 1 and policy.max_width > 1 and policy.probe_due():
+        # a probe drafts the rows probed longest ago (`BatchWidth.probe_rows`) whose last shadow draft is scored
+        waiting = {row.index: r for r, row in enumerate(active) if row.index not in shadows}
+        drafted = [waiting[i] for i in policy.probe_rows(list(waiting))]
+    if drafted:
         start = time.perf_counter()
-        hidden = torch.stack([row.hidden for row in active])
+        hidden = torch.stack([active[r].hidden for r in drafted])
         # a drafted step verifies `width - 1` depths: only their heads run (a probe's shadow chains read every head)
         tops = None if heads_step is None else heads_step.rows(hidden, width - 1 if width > 1 else None)
         if width > 1 and budgeted:
-            for r, row in enumerate(active):
+            for k, r in enumerate(drafted):
+                row = active[r]
                 if left[r] <= 1:
                     continue
                 row.drafter.slots = width - 1
                 if tops is not None:  # this row's share of the heads call
-                    row.drafter.head_top = lambda hidden, token, v=tops[0][r], i=tops[1][r]: (v, i)
+                    row.drafter.head_top = lambda hidden, token, v=tops[0][k], i=tops[1][k]: (v, i)
                 trees[r] = DraftTree(row.drafter.drafts(row.hidden, row.tokens, min(left[r], width) - 1)[0])
         elif width == 1 and budgeted:  # a probe: each row's best path as its drafter rescores it (see below)
-            chains = []
-            for r, row in enumerate(active):
+            chains = {}
+            for k, r in enumerate(drafted):
+                row = active[r]
                 if tops is not None:
-                    row.drafter.head_top = lambda hidden, token, v=tops[0][r], i=tops[1][r]: (v, i)
-                chains.append(list((row.drafter.head_drafts(row.hidden, row.tokens, num_heads)[0] or [()])[0]))
+                    row.drafter.head_top = lambda hidden, token, v=tops[0][k], i=tops[1][k]: (v, i)
+                chains[r] = list((row.drafter.head_drafts(row.hidden, row.tokens, num_heads)[0] or [()])[0])
         else:
             if tops is not None:
-                chains = model.heads.to_vocab_ids(tops[1][:, :num_heads, 0]).tolist()
+                rows_chains = model.heads.to_vocab_ids(tops[1][:, :num_heads, 0]).tolist()
             else:
-                chains = batch_chains(model.heads, hidden, num_heads)
-            if chains is None:  # sequential heads: each row's own drafter, its best draft
-                chains = [list((row.drafter.drafts(row.hidden, row.tokens, num_heads)[0] or [()])[0])
-                          for row in active]
+                rows_chains = batch_chains(model.heads, hidden, num_heads)
+            if rows_chains is None:  # sequential heads: each row's own drafter, its best draft
+                rows_chains = [list((active[r].drafter.drafts(active[r].hidden, active[r].tokens, num_heads)[0]
+                                     or [()])[0]) for r in drafted]
+            chains = dict(zip(drafted, rows_chains))
         drafting_ms = 1000 * (time.perf_counter() - start)
-    policy.stepped(width, drafting_ms, len(active))
+    policy.stepped(width, drafting_ms, max(len(drafted), 1))
     for r, row in enumerate(active):
         room = left[r] - 1
         if width > 1 and not budgeted and room > 0:
             trees[r] = DraftTree([tuple(chains[r][: min(width - 1, room)])])
-        elif width == 1 and chains is not None and row.index not in shadows:
+        elif width == 1 and chains is not None and r in chains:
             shadows[row.index] = (list(chains[r]), len(row.tokens))
         row.stats.draft_probs.append([])
     return trees

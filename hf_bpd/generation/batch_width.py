@@ -31,9 +31,11 @@ rows did not reach (SmolLM2 fp32, Intel Xeon, 2 threads, 32 dev prompts x 96, ag
 in the same process: 0.95x at 16 rows, 1.14x at 4; lowered by half a standard error 1.01x and 1.13x; by one 0.99–1.04x
 (never drafting) and 1.10–1.13x).
 While plain steps run nothing is verified, so every `PROBE_EVERY`-th plain step (every `4 * PROBE_EVERY`-th while no
-width comes within `HOPELESS` of paying) drafts anyway (one batched heads call, then each row's best path as its
-drafter rescores it: what a drafted step would verify first) and the drafts are scored against the tokens the rows
-then decode ("shadow" drafts: counted like verified ones, at no verification cost). The first
+width comes within `HOPELESS` of paying) drafts anyway for the `PROBE_ROWS` rows probed longest ago (one batched
+heads call, then each one's best path as its drafter rescores it: what a drafted step would verify first) and the
+drafts are scored against the tokens the rows then decode ("shadow" drafts: counted like verified ones, at no
+verification cost; a few rows a probe, in turn, since probing all 16 rows of a batch cost up to a quarter of a plain
+step on a 2-core AMD EPYC). The first
 step of a call is plain: it measures what a step of this batch costs before any width is weighed. The costs: the
 base's eager forward of `n` tokens on this machine, measured once per process at a few lengths and interpolated
 (`forward_costs`), then corrected by the call's own steps as they come in: a step's measured time (forward,
@@ -52,6 +54,7 @@ PRIOR = 4.0  # pseudo-observations of the pooled rate in each row's rate
 START_RATE = 0.5  # the pooled rate before anything was verified
 CONFIDENCE = 0.5  # standard errors a row's rate is lowered by in the width choice (see `rates`)
 PROBE_EVERY = 8  # plain steps between shadow drafts (4x as many while drafting is far from paying)
+PROBE_ROWS = 4  # rows a probe drafts at most: those probed longest ago (`BatchWidth.probe_rows`)
 HOPELESS = 0.85  # "far from paying": the best drafted width's tokens per ms under this share of a plain step's
 MARGIN = 0.05  # a wider block must beat the best narrower one by this share (estimates err; plain is safe)
 TIMING_WEIGHT = 0.3  # weight of a step's own timing in the running cost of its token count (0: the table only)
@@ -100,6 +103,8 @@ class BatchWidth:
         self.hopeless = False  # whether the last choice found every drafted width far from paying
         self.last_drafting_ms = 0.0  # what the last step's drafting took (0: none)
         self.realized = [[0.0, 0.0, 0], [0.0, 0.0, 0]]  # plain, drafted steps: decaying tokens, ms; steps
+        self.probes = 0  # probes so far
+        self.last_probed = [0] * rows  # per row: the probe that last drafted it (0: none)
 
     def cost(self, n: int) -> float:
         """ms of a step over `n` tokens: this call's timing of `n` when there is one, else the table's (scaled)."""
@@ -224,6 +229,14 @@ class BatchWidth:
     def probe_due(self) -> bool:
         """Whether this plain step should draft anyway (shadow drafts, see the module docstring)."""
         return self.plain_steps + 1 >= (PROBE_EVERY * 4 if self.hopeless else PROBE_EVERY)
+
+    def probe_rows(self, rows: list[int]) -> list[int]:
+        """The rows of `rows` a due probe drafts: the `PROBE_ROWS` probed longest ago (ties in the given order)."""
+        chosen = sorted(rows, key=lambda row: self.last_probed[row])[:PROBE_ROWS]
+        self.probes += 1
+        for row in chosen:
+            self.last_probed[row] = self.probes
+        return chosen
 
     def stepped(self, width: int, drafting_ms: float | None, rows: int = 1) -> None:
         """A step of `width` over `rows` rows ran; `drafting_ms`: what drafting its rows took (for verification, or
