@@ -21,7 +21,9 @@ key/value head's query heads stacked as that head's queries in the attention. It
 being static (the step's is dynamic), the tuning for 16 rows and the stacked heads (1-2 % each of the last two).
 SmolLM2's 16-row one-token step: 66.1 ms against 70.9 on the step (minimum of 8 alternating medians; 4 rows 36.7 vs
 38.6, 8 rows 46.8 vs 48.3; Intel Xeon AVX-512, 2 threads, 300 cached tokens; both built without the GEMM weight
-prefetches, which took the one-token step to 58.2 ms: docs/performance.md). It is built when a batch first runs
+prefetches, which took the one-token step to 58.2 ms: docs/performance.md). On AVX2 CPUs its GEMMs run an 8 x 8
+register block instead of inductor's 4 x 24 (`hf_bpd.runtime.register_block`: 16 rows 16 % faster, 4 rows alike;
+recorded in its key). It is built when a batch first runs
 on the artifact (in the background, like the step: the step serves those steps until it is there), or by `hf-bpd
 compile`. A base with sliding-window layers (Gemma-3) has no one-token batch step; its step takes the sliding layers'
 mask as an input of its own (`_WindowedStep`), so a batch's rows, whose slots hold other positions than their index,
@@ -158,9 +160,16 @@ def key_dir(key: dict) -> Path:
 
 
 def graph_key(key: dict, graph: str = STEP) -> dict:
-    """What `graph`'s record must hold: the artifact's key, and for the one-token batch step its own format."""
+    """What `graph`'s record must hold: the artifact's key, and for the one-token batch step its own format and the
+    GEMM register block it is built with where it is not inductor's choice (AVX2: `register_block.one_token_block`)."""
+    from .register_block import one_token_block
+
     _check_graph(graph)
-    return key if graph == STEP else {**key, "graph": graph, "graph_format": ONE_TOKEN_FORMAT}
+    if graph == STEP:
+        return key
+    block = one_token_block()
+    return {**key, "graph": graph, "graph_format": ONE_TOKEN_FORMAT,
+            **({"register_block": "x".join(map(str, block[:2]))} if block else {})}
 
 
 def graph_files(directory: Path, graph: str = STEP) -> tuple[Path, Path, Path]:
@@ -251,6 +260,7 @@ def build(base, threads: int | None = None, log=None, key: dict | None = None, g
     from .inlining import INDUCTOR_OPTIONS, compiler_options
     from .prefetch import prefetching_gemm_template
     from .quiet import quiet_compilation
+    from .register_block import one_token_block, register_block
 
     import fcntl  # POSIX file locks (Linux, macOS)
 
@@ -273,7 +283,8 @@ def build(base, threads: int | None = None, log=None, key: dict | None = None, g
         exported = export_step(base, graph)
         options = {**INDUCTOR_OPTIONS, **compiler_options(), "cpp.threads": key["threads"]}
         partial = directory / f".partial-{os.getpid()}-{package.name}"
-        with torch.no_grad(), prefetching_gemm_template(), quiet_compilation(), \
+        block = one_token_block() if graph == ONE_TOKEN else None
+        with torch.no_grad(), prefetching_gemm_template(), register_block(block), quiet_compilation(), \
                 torch._inductor.config.patch(compiler_options()):
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial), inductor_configs=options)
         record = {**graph_key(key, graph), "sha256": _sha256(partial), "bytes": partial.stat().st_size,

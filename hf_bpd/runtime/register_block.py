@@ -1,0 +1,83 @@
+"""The register block of inductor's fp32 CPU GEMM micro-kernel, chosen for the one-token batch step on AVX2 CPUs.
+
+inductor picks the micro-kernel's register block (rows x columns of the output it keeps in registers) by its size
+first. On AVX2 that is 4 x 24, so a GEMM over 16 rows (a batch of 16, one token each) passes over every weight panel
+four times; its one other fp32 AVX2 block, 8 x 8, passes twice. Measured in one process (SmolLM2-135M fp32, AMD EPYC
+with AVX2 and no AVX-512, 2 threads, the artifact's one-token batch step built both ways, 300 cached tokens, medians
+of 8 alternating 11-call medians): 16 rows 89.5 ms with 8 x 8 against 106.1 with 4 x 24, 12 rows 80.0 against 89.3,
+8 rows 58.1 against 70.3, 2 rows 30.6 against 36.1, 4 rows 41.7 against 39.7 and 1 row 31.2 against 31.7 (within
+the rounds' spread). The logits were equal bit for bit: the block changes which outputs a kernel call computes, not
+the order of any sum. In graphs whose block length is dynamic (the artifact's step, tuned for 8 tokens) 8 x 8 did not
+pay (docs/performance.md#batches), so only the one-token batch step gets it (`one_token_block`).
+
+inductor has no option for the register block, so while the graph compiles (inside `register_block` only) its list
+of fp32 micro-kernel configurations for this CPU's instruction set keeps the chosen block's. The list is inductor's
+internal table: where it has no such entry (another instruction set, another torch version), nothing is changed.
+`HF_BPD_REGISTER_BLOCK=0` keeps inductor's own choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+AVX2_ONE_TOKEN_BLOCK = (8, 8, 1)  # (rows, columns, k) of the one-token batch step's fp32 micro-kernel on AVX2
+
+
+def _micro_gemm():
+    """inductor's micro-kernel table, the fp32 vector kernel class and this CPU's instruction set class."""
+    # inductor's own entry first: importing the micro-kernel's module first is a circular import (a new process)
+    import torch._inductor.compile_fx  # noqa: F401
+    from torch._inductor.codegen import cpp_micro_gemm
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return cpp_micro_gemm.micro_gemm_configs, cpp_micro_gemm.CppMicroGemmFP32Vec, type(pick_vec_isa())
+
+
+def one_token_block() -> tuple[int, int, int] | None:
+    """The register block the one-token batch step is built with on this CPU: 8 x 8 where inductor's vector code is
+    AVX2 (no AVX-512), else None (inductor's choice); None with `HF_BPD_REGISTER_BLOCK=0`."""
+    if os.environ.get("HF_BPD_REGISTER_BLOCK", "1") == "0":
+        return None
+    try:
+        from torch._inductor.cpu_vec_isa import VecAVX2
+
+        isa = _micro_gemm()[2]
+    except Exception:  # noqa: BLE001 - another torch: inductor's choice
+        return None
+    return AVX2_ONE_TOKEN_BLOCK if isa is VecAVX2 else None
+
+
+def _fp32(config) -> bool:
+    return config.input_dtype == config.input2_dtype == config.output_dtype == torch.float32
+
+
+@contextlib.contextmanager
+def register_block(block: tuple[int, int, int] | None):
+    """Inside the block, inductor's fp32 CPU micro-kernels on this CPU's instruction set use the register block
+    `block` (see the module docstring); yields whether it applies (False: `block` is None or not in the table)."""
+    try:
+        table, kernel, isa = _micro_gemm()
+        configs = table[kernel]
+    except Exception as err:  # noqa: BLE001 - another torch: inductor's choice
+        logger.warning("hf_bpd: GEMM register block left to inductor (%s: %s)", type(err).__name__, err)
+        configs = None
+    if block is None or configs is None:
+        yield False
+        return
+    block = tuple(block)
+    mine = [c for c in configs if c.vec_isa_cls is isa and _fp32(c)]
+    if not any(tuple(c.register_blocking) == block for c in mine):
+        yield False
+        return
+    dropped = {id(c) for c in mine if tuple(c.register_blocking) != block}
+    table[kernel] = [c for c in configs if id(c) not in dropped]
+    try:
+        yield True
+    finally:
+        table[kernel] = configs

@@ -1,0 +1,87 @@
+"""The GEMM register block of the one-token batch step (`hf_bpd.runtime.register_block`): the chosen block is the one
+in the generated kernel, the results are the same bit for bit, and it is chosen on AVX2 CPUs only."""
+
+import re
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+
+from hf_bpd.runtime import artifacts, inlining, register_block
+from tests.test_inlining import _Stack
+
+pytestmark = pytest.mark.autotune  # the GEMM templates only run where inductor autotunes (see tests/conftest.py)
+
+
+def _fp32_blocks() -> list[tuple[int, int, int]]:
+    """This CPU's fp32 register blocks in inductor's table, in its order."""
+    table, kernel, isa = register_block._micro_gemm()
+    return [tuple(c.register_blocking) for c in table[kernel] if c.vec_isa_cls is isa and register_block._fp32(c)]
+
+
+def _compiled(module, x, block=None):
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    compiled = torch.compile(module, dynamic=False)
+    with torch.no_grad(), inductor_config.patch(inlining.INDUCTOR_OPTIONS), \
+            register_block.register_block(block) as applied:
+        out, code = run_and_get_code(compiled, x)
+    torch._dynamo.reset()
+    return out, "\n".join(code), applied
+
+
+def _kernel_blocks(code: str) -> set[tuple[int, int]]:
+    return {(int(m), int(n)) for m, n in re.findall(r"_kernel<(\d+), (\d+), accum", code)}
+
+
+def test_the_register_block_is_the_generated_kernels_and_changes_no_bit(one_thread):
+    """16 rows (a batch of 16, one token each): inductor's own block, then each other fp32 block of this CPU's
+    instruction set forced: the kernel code uses the forced block and the outputs are equal bit for bit."""
+    blocks = _fp32_blocks()
+    if len(blocks) < 2:
+        pytest.skip("inductor has one fp32 register block for this CPU")
+    module = _Stack().eval()
+    x = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(3))
+    reference, code, applied = _compiled(module, x)
+    assert not applied and "gemm" in code  # the GEMM template ran, not only a library call
+    own = _kernel_blocks(code)
+    assert own, "no micro-kernel in the generated code"
+    for block in blocks:
+        if block[:2] in own:
+            continue
+        out, code, applied = _compiled(module, x, block)
+        assert applied and block[:2] in _kernel_blocks(code)
+        assert torch.equal(out, reference)
+    torch.testing.assert_close(reference, module(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_block_not_in_the_table_changes_nothing():
+    table, kernel, _ = register_block._micro_gemm()
+    before = list(table[kernel])
+    for block in (None, (3, 5, 7)):
+        with register_block.register_block(block) as applied:
+            assert not applied and table[kernel] == before
+    block = _fp32_blocks()[-1]
+    with register_block.register_block(block) as applied:
+        assert applied and len(table[kernel]) < len(before)
+    assert table[kernel] == before  # restored
+
+
+def test_the_one_token_step_gets_8x8_on_avx2_only(monkeypatch):
+    """AVX2 (no AVX-512): 8 x 8, recorded in the one-token batch step's key (so a step built with inductor's choice
+    is built again); other instruction sets and `HF_BPD_REGISTER_BLOCK=0`: inductor's choice, nothing recorded."""
+    from torch._inductor.cpu_vec_isa import VecAVX2, VecAVX512
+
+    table, kernel, _ = register_block._micro_gemm()
+    key = {"format": artifacts.FORMAT}
+    for isa, block in ((VecAVX2, (8, 8, 1)), (VecAVX512, None)):
+        monkeypatch.setattr(register_block, "_micro_gemm", lambda isa=isa: (table, kernel, isa))
+        assert register_block.one_token_block() == block
+        one_token = artifacts.graph_key(key, artifacts.ONE_TOKEN)
+        assert one_token.get("register_block") == ("8x8" if block else None)
+        assert artifacts.graph_key(key) == key  # the step: inductor's choice everywhere
+    monkeypatch.setattr(register_block, "_micro_gemm", lambda: (table, kernel, VecAVX2))
+    monkeypatch.setenv("HF_BPD_REGISTER_BLOCK", "0")
+    assert register_block.one_token_block() is None
+    assert "register_block" not in artifacts.graph_key(key, artifacts.ONE_TOKEN)
