@@ -56,8 +56,8 @@ echo "KenLM ready: $KENLM_DIR/build/bin" >&2
 $PY -c 'from hf_bpd.runtime.int8_heads import build_kernel; build_kernel()'
 # The shipped checkpoint's compiled verification step, built once for this machine (hf_bpd.runtime.artifacts): every
 # later process loads it in seconds instead of compiling (~2 min here, skipped when already built;
-# HF_BPD_SKIP_COMPILE=1 skips it; generate() then builds it in the background on first use). The one-token batch
-# step (batches' one-token steps) is left to the first batch, which builds it in the background.
+# HF_BPD_SKIP_COMPILE=1 skips it; generate() then builds it in the background on first use). The batch steps
+# (batches' steps of one and two tokens a row) are left to the first batches, which build them in the background.
 if [ "${HF_BPD_SKIP_COMPILE:-0}" != 1 ]; then
     hf-bpd compile checkpoints/smollm2-135m-instruct-bpd --threads 2 --no-batch-step ||
         echo "hf_bpd: the compiled step was not built (generate() builds it in the background on first use)" >&2

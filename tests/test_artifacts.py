@@ -61,8 +61,8 @@ def cli_build(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def built(cli_build):
-    """`(cache directory, base, package path)`: the artifact `cli_build` built (the step and the one-token batch
-    step), its base, torch at its 1 thread."""
+    """`(cache directory, base, package path)`: the artifact `cli_build` built (the step and the batch steps), its
+    base, torch at its 1 thread."""
     cache, _ = cli_build
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -255,20 +255,21 @@ def test_compile_command_lists_and_clears(built, capsys):
     assert "needs a model" in capsys.readouterr().err
 
 
-def test_compile_command_builds_the_step_and_the_one_token_batch_step(cli_build, built, capsys):
-    """`hf-bpd compile MODEL --no-batch-step` built the step only; without the flag the one-token batch step was built
-    beside it (the step found built) and batches are said to run on it; `--list` names each graph."""
+def test_compile_command_builds_the_step_and_the_batch_steps(cli_build, built, capsys):
+    """`hf-bpd compile MODEL --no-batch-step` built the step only; without the flag the one-token and two-token batch
+    steps were built beside it (the step found built) and batches are said to run on them; `--list` names each."""
     from hf_bpd.cli import main
 
     (first_out, first_err), (second_out, second_err) = cli_build[1]
-    assert "building the compiled step" in first_err and "one-token batch step" not in first_out + first_err
-    assert "building the compiled one-token batch step" in second_err and "one-token batch step" in second_out
+    assert "building the compiled step" in first_err and "batch step" not in first_out + first_err
+    assert "building the compiled one-token batch step" in second_err
+    assert "building the compiled two-token batch step" in second_err and "on the batch steps" in second_out
     assert "building the compiled step" not in second_err  # found built
-    assert artifacts.listing() and all(record.get("graph") in (artifacts.STEP, artifacts.ONE_TOKEN)
+    assert artifacts.listing() and all(record.get("graph") in (artifacts.STEP, *artifacts.BATCH_GRAPHS)
                                        for record in artifacts.listing())
     assert main(["compile", "--list"]) == 0
     listed = capsys.readouterr().out
-    assert ": step, " in listed and ": one_token, " in listed
+    assert ": step, " in listed and ": one_token, " in listed and ": two_tokens, " in listed
 
 
 def test_generate_uses_a_built_artifact_in_this_process(built):
@@ -308,33 +309,37 @@ def test_one_artifact_serves_batches_each_row_on_its_own_positions_and_mask(buil
     step_equals_eager(artifact, base, ids, positions, mask, past, kv)
 
 
-def test_the_one_token_batch_step_equals_the_eager_step_row_by_row(built):
-    """The one-token batch step (one token per row, stacked query heads; any number of rows) computes what the eager
-    step computes for each row, with its own position and mask, and writes each row's key/value where it wrote."""
+@pytest.mark.parametrize("graph", [artifacts.ONE_TOKEN, artifacts.TWO_TOKENS])
+def test_the_batch_steps_equal_the_eager_step_row_by_row(built, graph):
+    """The one-token batch step (one token per row, stacked query heads) and the two-token one (a batch's width-2
+    steps), any number of rows: each computes what the eager step computes for each row, with its own positions and
+    mask, and writes each row's keys/values where it wrote."""
     _, base, path = built
     directory = path.parent
-    one_token = artifacts.Artifact(artifacts.graph_files(directory, artifacts.ONE_TOKEN)[0])
+    step = artifacts.Artifact(artifacts.graph_files(directory, graph)[0])
+    width = 1 if graph == artifacts.ONE_TOKEN else 2
     closed = torch.finfo(torch.float32).min
     for rows, past, capacity in ((3, 20, 64), (1, 5, 64), (17, 300, 512)):
         g = torch.Generator().manual_seed(rows + past)
         kv = [torch.randn(rows, 2, capacity, 8, generator=g) for _ in range(4)]
-        mask = torch.zeros(rows, 1, 1, past + 1)
+        mask = torch.zeros(rows, 1, width, past + width)
+        mask[:, 0, :, past:] = torch.triu(torch.full((width, width), closed), 1)
         mask[1 % rows, :, :, :5] = closed  # holes in some rows' pasts
         mask[rows - 1, :, :, 3:past // 2] = closed
-        ids = torch.randint(0, 96, (rows, 1), generator=g)
-        positions = (past - torch.arange(rows) % 4)[:, None]
+        ids = torch.randint(0, 96, (rows, width), generator=g)
+        positions = (past - torch.arange(rows) % 4)[:, None] + torch.arange(width)
         eager_kv = [t.clone() for t in kv]
-        logits, hidden = one_token(ids, positions, mask, torch.tensor(past), kv)
+        logits, hidden = step(ids, positions, mask, torch.tensor(past), kv)
         eager_logits, eager_hidden = eager_step(base, ids, positions, mask, past, eager_kv)
-        assert logits.shape == (rows, 1, 96) and torch.allclose(logits, eager_logits, atol=1e-4)
+        assert logits.shape == (rows, width, 96) and torch.allclose(logits, eager_logits, atol=1e-4)
         assert torch.allclose(hidden, eager_hidden, atol=1e-4)
         for new, old in zip(kv, eager_kv):
             assert torch.allclose(new, old, atol=1e-5)
-    record = json.loads(artifacts.graph_files(directory, artifacts.ONE_TOKEN)[1].read_text())
-    assert record["graph"] == artifacts.ONE_TOKEN and record["weights"] == artifacts.cached_key(base)["weights"]
-    assert artifacts.valid(directory, artifacts.cached_key(base), artifacts.ONE_TOKEN)
-    with pytest.raises(ValueError, match="graphs are step, one_token"):
-        artifacts.graph_files(directory, "two_tokens")
+    record = json.loads(artifacts.graph_files(directory, graph)[1].read_text())
+    assert record["graph"] == graph and record["weights"] == artifacts.cached_key(base)["weights"]
+    assert artifacts.valid(directory, artifacts.cached_key(base), graph)
+    with pytest.raises(ValueError, match="graphs are step, one_token, two_tokens"):
+        artifacts.graph_files(directory, "three_tokens")
 
 
 def test_compile_true_verifies_batches_on_the_artifact_row_exact(built, monkeypatch):

@@ -77,11 +77,11 @@ def test_the_one_token_step_gets_8x8_on_avx2_only(monkeypatch):
     key = {"format": artifacts.FORMAT}
     for isa, block in ((VecAVX2, (8, 8, 1)), (VecAVX512, None)):
         monkeypatch.setattr(register_block, "_micro_gemm", lambda isa=isa: (table, kernel, isa))
-        assert register_block.one_token_block() == block
+        assert register_block.batch_step_block() == block
         one_token = artifacts.graph_key(key, artifacts.ONE_TOKEN)
         assert one_token.get("register_block") == ("8x8" if block else None)
         assert artifacts.graph_key(key) == key  # the step: inductor's choice everywhere
     monkeypatch.setattr(register_block, "_micro_gemm", lambda: (table, kernel, VecAVX2))
     monkeypatch.setenv("HF_BPD_REGISTER_BLOCK", "0")
-    assert register_block.one_token_block() is None
+    assert register_block.batch_step_block() is None
     assert "register_block" not in artifacts.graph_key(key, artifacts.ONE_TOKEN)

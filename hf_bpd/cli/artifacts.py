@@ -47,10 +47,11 @@ def cmd_compile(args) -> int:
     batch_step = (not args.no_batch_step and batched_artifact_unsupported_reason(base, 2) is None
                   and artifacts.one_token_unsupported_reason(base) is None)
     if batch_step:
-        artifacts.build(base, args.threads, log=log, graph=artifacts.ONE_TOKEN)
+        for graph in artifacts.BATCH_GRAPHS:
+            artifacts.build(base, args.threads, log=log, graph=graph)
     print(f"{path} ready ({time.perf_counter() - start:.0f} s); generate(compile=True) with {args.threads} threads "
           f"loads it; it serves blocks of 1 to {artifacts.MAX_BLOCK} tokens, every context length and batches of up "
-          f"to {artifacts.MAX_ROWS} rows" + (" (their one-token steps on the one-token batch step)"
+          f"to {artifacts.MAX_ROWS} rows" + (" (their steps of one and two tokens a row on the batch steps)"
                                             if batch_step else ""))
     if largest > artifacts.MAX_BLOCK:
         print(f"hf-bpd: the drafting shape asked for verifies blocks of {largest} tokens, over {artifacts.MAX_BLOCK}: "
@@ -82,8 +83,8 @@ def add_parsers(sub, command) -> None:
         "Exports the base's verification step and compiles it ahead of time (AOTInductor) into "
         "$HF_BPD_CACHE/artifacts/: one artifact serves every block length up to 16 and every context length. "
         "Valid for this CPU, thread count, dtype, weights and torch version; generate(compile=True) loads it in "
-        "seconds instead of compiling; batches' one-token steps get a graph of their own beside it (the one-token "
-        "batch step; --no-batch-step: built only when a batch first needs it). --list shows the cache, --clear "
+        "seconds instead of compiling; batches' steps of one and of two tokens a row get graphs of their own beside it "
+        "(the batch steps; --no-batch-step: built when a batch first needs them). --list shows the cache, --clear "
         "empties it.")
     p.add_argument("model", nargs="?", default=None, help="heads checkpoint directory or base model")
     p.add_argument("--threads", type=int, default=2, help="torch threads the artifact is built for (baked in)")
@@ -92,7 +93,7 @@ def add_parsers(sub, command) -> None:
                    "says whether the artifact serves its blocks")
     p.add_argument("--draft-nodes", type=int, default=None, help="a draft-node budget you will draft with (the same)")
     p.add_argument("--no-batch-step", action="store_true",
-                   help="build the step only, not the one-token batch step (a batch builds it in the background)")
+                   help="build the step only, not the batch steps (a batch builds them in the background)")
     p.add_argument("--list", action="store_true", help="list the built artifacts")
     p.add_argument("--clear", action="store_true", help="remove every built artifact")
     p.set_defaults(func=cmd_compile)

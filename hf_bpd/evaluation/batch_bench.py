@@ -62,7 +62,8 @@ def _build_artifact(base) -> None:
     if batched_artifact_unsupported_reason(base, 1) is None:
         artifacts.ensure(base)
         if artifacts.one_token_unsupported_reason(base) is None:  # sliding-window bases: their batches never load it
-            artifacts.ensure(base, graph=artifacts.ONE_TOKEN)
+            for graph in artifacts.BATCH_GRAPHS:
+                artifacts.ensure(base, graph=graph)
 
 
 def check_batch_methods(methods) -> None:

@@ -181,8 +181,8 @@ def _compiled_runner(base, rows: int, needed_length: int, wait: bool):
     """A compiled batched runner of `base` for `rows` rows holding `needed_length` tokens (`hf_bpd.runtime.batched`),
     or None (with a one-line warning) when batches of this base cannot run compiled. `compile=True` (not `wait`):
     the base's artifact's runner (`ArtifactBatchedRunner`), or None, silently, while the artifact is being built in
-    the background (`hf_bpd.runtime.background`; bases it cannot serve say why); its one-token steps run the
-    artifact's one-token batch step once that is built (its build starts with the first such batch)."""
+    the background (`hf_bpd.runtime.background`; bases it cannot serve say why); its one-token and two-token steps
+    run the artifact's batch steps once they are built (their builds start with the first such batch)."""
     from ..runtime import artifacts, background
     from ..runtime.batched import batched_artifact_unsupported_reason, batched_runner, batched_unsupported_reason
 
@@ -199,6 +199,8 @@ def _compiled_runner(base, rows: int, needed_length: int, wait: bool):
     if runner is not None and artifact is not None:
         one_token = rows > 1 and artifacts.one_token_unsupported_reason(base) is None
         runner.one_token = background.ready_artifact(base, artifacts.ONE_TOKEN) if one_token else None
+        # the two-token batch step, built after the one-token one (one build at a time per artifact)
+        runner.two_tokens = background.ready_artifact(base, artifacts.TWO_TOKENS) if one_token else None
     if reason is None and runner is None:
         reason = f"a static cache of {rows} rows x {needed_length} tokens would be too large"
     if runner is None:

@@ -23,11 +23,14 @@ SmolLM2's 16-row one-token step: 66.1 ms against 70.9 on the step (minimum of 8 
 38.6, 8 rows 46.8 vs 48.3; Intel Xeon AVX-512, 2 threads, 300 cached tokens; both built without the GEMM weight
 prefetches, which took the one-token step to 58.2 ms: docs/performance.md). On AVX2 CPUs its GEMMs run an 8 x 8
 register block instead of inductor's 4 x 24 (`hf_bpd.runtime.register_block`: 16 rows 16 % faster, 4 rows alike;
-recorded in its key). It is built when a batch first runs
-on the artifact (in the background, like the step: the step serves those steps until it is there), or by `hf-bpd
-compile`. A base with sliding-window layers (Gemma-3) has no one-token batch step; its step takes the sliding layers'
-mask as an input of its own (`_WindowedStep`), so a batch's rows, whose slots hold other positions than their index,
-pass the windows they built, and a lone call's is derived from its full mask (`step.window_mask`).
+recorded in its key). A third graph, the two-token batch step (`TWO_TOKENS`, `two_tokens.pt2`), runs a batch's steps
+of two tokens per row: exported from 4 rows, block length static, the step's attention, the same register block
+(SmolLM2, AVX2 EPYC, 4 rows x 2 tokens: 39.7 ms against 52.1 on the step, 39.8 for 4 x 1 on the one-token step;
+docs/performance.md#batches). They are built when a batch first runs on the artifact (in the background, one after
+the other, like the step: the step serves those steps until they are there), or by `hf-bpd compile`. A base with
+sliding-window layers (Gemma-3) has no batch steps; its step takes the sliding layers' mask as an input of its own
+(`_WindowedStep`), so a batch's rows, whose slots hold other positions than their index, pass the windows they built,
+and a lone call's is derived from its full mask (`step.window_mask`).
 
 An artifact is valid for what it was built from, all in its key: the base's weights (a fingerprint of every tensor),
 dtype and config, the torch / transformers / hf_bpd versions, the CPU's instruction set and flags (an artifact built
@@ -57,9 +60,11 @@ from .step import VerificationStep, compile_unsupported_reason, kv_layout, slidi
     window_mask
 
 FORMAT = 4  # bump when the exported step changes (4: built with the GEMM weight prefetches)
-STEP, ONE_TOKEN = "step", "one_token"  # the graphs of an artifact: every block, and one token per row (batches)
-ONE_TOKEN_FORMAT = 1  # bump when the exported one-token batch step changes
+STEP, ONE_TOKEN, TWO_TOKENS = "step", "one_token", "two_tokens"  # the graphs: every block; 1 or 2 tokens a row
+BATCH_GRAPHS = (ONE_TOKEN, TWO_TOKENS)  # the batch steps beside the step (none for sliding-window bases)
+GRAPH_FORMAT = {ONE_TOKEN: 1, TWO_TOKENS: 1}  # bump when an exported batch step changes
 ONE_TOKEN_ROWS = 16  # the one-token batch step's example rows (inductor tunes its kernels for that many tokens)
+TWO_TOKENS_ROWS = 4  # the two-token batch step's (batches of 4 draft; at 16 rows a second token rarely pays)
 WINDOWED_FORMAT = 1  # bump when the step of sliding-window bases (its second mask input) changes
 MAX_BLOCK = 16  # block lengths one artifact serves (1..MAX_BLOCK)
 MAX_ROWS = 64  # batch rows one artifact serves (1..MAX_ROWS)
@@ -67,9 +72,11 @@ MAX_CONTEXT = 32768
 PACKAGE = "step.pt2"
 LOCK = "build.lock"  # held by whoever builds the artifact
 FAILED = "build.failed"  # the last build's error (a background build is not started again while it is there)
-DESCRIPTION = {STEP: "the compiled step", ONE_TOKEN: "the compiled one-token batch step"}  # in log lines
+DESCRIPTION = {STEP: "the compiled step", ONE_TOKEN: "the compiled one-token batch step",  # in log lines
+               TWO_TOKENS: "the compiled two-token batch step"}
 _FILES = {STEP: (PACKAGE, "key.json", FAILED),  # graph -> (package, its record, its last build's error)
-          ONE_TOKEN: ("one_token.pt2", "one_token.json", "one_token.failed")}
+          ONE_TOKEN: ("one_token.pt2", "one_token.json", "one_token.failed"),
+          TWO_TOKENS: ("two_tokens.pt2", "two_tokens.json", "two_tokens.failed")}
 ATTENTION_NAME = "hf_bpd_attended_sdpa"
 ONE_TOKEN_ATTENTION_NAME = "hf_bpd_attended_stacked_sdpa"
 
@@ -160,15 +167,15 @@ def key_dir(key: dict) -> Path:
 
 
 def graph_key(key: dict, graph: str = STEP) -> dict:
-    """What `graph`'s record must hold: the artifact's key, and for the one-token batch step its own format and the
-    GEMM register block it is built with where it is not inductor's choice (AVX2: `register_block.one_token_block`)."""
-    from .register_block import one_token_block
+    """What `graph`'s record must hold: the artifact's key, and for a batch step its own format and the GEMM register
+    block it is built with where it is not inductor's choice (AVX2: `register_block.batch_step_block`)."""
+    from .register_block import batch_step_block
 
     _check_graph(graph)
     if graph == STEP:
         return key
-    block = one_token_block()
-    return {**key, "graph": graph, "graph_format": ONE_TOKEN_FORMAT,
+    block = batch_step_block()
+    return {**key, "graph": graph, "graph_format": GRAPH_FORMAT[graph],
             **({"register_block": "x".join(map(str, block[:2]))} if block else {})}
 
 
@@ -206,8 +213,8 @@ class _WindowedStep(_Step):
 
 
 def one_token_unsupported_reason(base) -> str | None:
-    """Why `base`'s artifact has no one-token batch step (None when it can have one): sliding-window bases run
-    their batches' one-token steps on the step (each graph holds the weights again; Gemma-3-270m's step: 1.75 GB)."""
+    """Why `base`'s artifact has no batch steps (one-token, two-token; None when it can have them): sliding-window
+    bases run their batches' steps on the step (each graph holds the weights again; Gemma-3-270m's step: 1.75 GB)."""
     if sliding_window_of(base) is not None:
         return "sliding-window bases run a batch's one-token steps on the step"
     return None
@@ -226,11 +233,15 @@ def _example(base, capacity: int = 64, block: int = 4, past: int = 8, rows: int 
 
 def export_step(base, graph: str = STEP):
     """`torch.export` of the step with dynamic batch rows, block length, cache capacity and attended length (the
-    one-token batch step: one token per row, `ONE_TOKEN_ROWS` example rows, stacked query heads)."""
+    one-token batch step: one token per row, `ONE_TOKEN_ROWS` example rows, stacked query heads; the two-token batch
+    step: two tokens per row, `TWO_TOKENS_ROWS` example rows)."""
     one_token = graph == ONE_TOKEN
-    cache, args = _example(base, block=1, rows=ONE_TOKEN_ROWS) if one_token else _example(base)
+    if graph == STEP:
+        cache, args = _example(base)
+    else:
+        cache, args = _example(base, block=1 if one_token else 2, rows=ONE_TOKEN_ROWS if one_token else TWO_TOKENS_ROWS)
     rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
-    block = torch.export.Dim.STATIC if one_token else torch.export.Dim("block", min=1, max=MAX_BLOCK)
+    block = torch.export.Dim("block", min=1, max=MAX_BLOCK) if graph == STEP else torch.export.Dim.STATIC
     attended = torch.export.Dim("attended", min=2, max=MAX_CONTEXT)
     capacity = torch.export.Dim("capacity", min=16, max=MAX_CONTEXT)
     mask = {0: rows, 2: block, 3: attended}
@@ -260,7 +271,7 @@ def build(base, threads: int | None = None, log=None, key: dict | None = None, g
     from .inlining import INDUCTOR_OPTIONS, compiler_options
     from .prefetch import prefetching_gemm_template
     from .quiet import quiet_compilation
-    from .register_block import one_token_block, register_block
+    from .register_block import batch_step_block, register_block
 
     import fcntl  # POSIX file locks (Linux, macOS)
 
@@ -283,7 +294,7 @@ def build(base, threads: int | None = None, log=None, key: dict | None = None, g
         exported = export_step(base, graph)
         options = {**INDUCTOR_OPTIONS, **compiler_options(), "cpp.threads": key["threads"]}
         partial = directory / f".partial-{os.getpid()}-{package.name}"
-        block = one_token_block() if graph == ONE_TOKEN else None
+        block = batch_step_block() if graph in BATCH_GRAPHS else None
         with torch.no_grad(), prefetching_gemm_template(), register_block(block), quiet_compilation(), \
                 torch._inductor.config.patch(compiler_options()):
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial), inductor_configs=options)

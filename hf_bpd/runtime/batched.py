@@ -191,7 +191,8 @@ class ArtifactBatchedRunner(BatchedRunner):
     slots up to its block only and computes the cache's first rows, as many as it is given (the batch's active rows:
     `hf_bpd.generation.batch_cache.StaticRaggedCache`); a block over the artifact's `MAX_BLOCK` runs the same step
     eagerly on the same cache, every row. Steps of one token per row run the artifact's one-token batch step once it
-    is built (`one_token`; `hf_bpd.runtime.artifacts.ONE_TOKEN`)."""
+    is built (`one_token`; `hf_bpd.runtime.artifacts.ONE_TOKEN`), and steps of two tokens per row its two-token
+    batch step (`two_tokens`, `artifacts.TWO_TOKENS`)."""
 
     kind = "artifact"
     dynamic_rows = True  # blocks up to `max_block`: the artifact runs any number of the cache's first rows
@@ -202,9 +203,10 @@ class ArtifactBatchedRunner(BatchedRunner):
         super().__init__(base, rows, max_cache_len)
         self.artifact, self.max_block = artifact, MAX_BLOCK
         self.one_token = None  # the artifact's one-token batch step, once it is built (set by each call)
+        self.two_tokens = None  # its two-token batch step, likewise
         self.kv = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
         self._costs: dict[int, float] = {}  # tokens -> ms of this runner's steps (`measured_costs`)
-        self._costs_key = None  # whether the one-token batch step was there when they were timed
+        self._costs_key = None  # which batch steps were there when they were timed (`_graphs`)
         self.kept = KeptCostCheck()  # the costs read from `COSTS_FILE`, checked against this process's steps
 
     def run(self, tokens, positions, mask, key_slots=None) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -220,13 +222,13 @@ class ArtifactBatchedRunner(BatchedRunner):
                     else mask[..., : past + width].contiguous())
         rows = tokens.shape[0]  # the cache's first rows (a row-slice of a contiguous tensor is dense)
         kv = self.kv if rows == self.rows else [t[:rows] for t in self.kv]
-        step = self.one_token if width == 1 and self.one_token is not None else self.artifact
+        step = {1: self.one_token, 2: self.two_tokens}.get(width) or self.artifact
         start = time.perf_counter()
         # dense inputs: the artifact's code indexes rows by the strides it was built with
         logits, hidden = step(tokens.contiguous(), positions.contiguous(), attended, torch.tensor(past), kv)
         # a kept cost is checked against steps shaped as it was timed (every row, or one token on fewer rows)
         if (rows * width in self.kept and (width == 1 or rows == self.rows)
-                and self._costs_key == (self.one_token is not None)):
+                and self._costs_key == self._graphs()):
             self._check_kept(rows * width, 1000 * (time.perf_counter() - start))
         return logits, hidden, False
 
@@ -249,7 +251,7 @@ class ArtifactBatchedRunner(BatchedRunner):
         mostly fixed overhead, theirs grow with the tokens
         (SmolLM2, AMD EPYC, 2 threads, 16 rows: eager 151 / 168 / 188 ms for 1 / 2 / 3 tokens a row, the artifact
         52 / 85 / 124), so scaled to a plain step it priced a drafted one at half to two thirds of its cost."""
-        key = self.one_token is not None
+        key = self._graphs()
         if self._costs_key != key:
             self._costs, self._costs_key = self._stored_costs(key), key
             self.kept = KeptCostCheck(self._costs)
@@ -281,18 +283,24 @@ class ArtifactBatchedRunner(BatchedRunner):
             self._store_costs(key, self._costs)
         return dict(self._costs)
 
-    def _cost_entry(self, one_token: bool) -> str:
-        return f"{self.rows} rows" + (", one-token batch step" if one_token else "")
+    def _graphs(self) -> tuple[bool, bool]:
+        """Which batch steps this runner's steps run on now: (one-token, two-token)."""
+        return self.one_token is not None, self.two_tokens is not None
 
-    def _stored_costs(self, one_token: bool) -> dict[int, float]:
+    def _cost_entry(self, graphs: tuple[bool, bool]) -> str:
+        one_token, two_tokens = graphs
+        return (f"{self.rows} rows" + (", one-token batch step" if one_token else "")
+                + (", two-token batch step" if two_tokens else ""))
+
+    def _stored_costs(self, graphs: tuple[bool, bool]) -> dict[int, float]:
         """This runner's step costs as an earlier process timed them on this artifact (`COSTS_FILE` beside it)."""
         try:
             stored = json.loads((self.artifact.path.parent / COSTS_FILE).read_text())
-            return {int(n): float(ms) for n, ms in stored[self._cost_entry(one_token)].items()}
+            return {int(n): float(ms) for n, ms in stored[self._cost_entry(graphs)].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return {}
 
-    def _store_costs(self, one_token: bool, costs: dict[int, float] | None) -> None:
+    def _store_costs(self, graphs: tuple[bool, bool], costs: dict[int, float] | None) -> None:
         """Keep `costs` beside the artifact as this runner's entry, or drop the entry (`None`) (best effort: a
         read-only cache only means timing them again)."""
         path = getattr(self.artifact, "path", None)
@@ -305,7 +313,7 @@ class ArtifactBatchedRunner(BatchedRunner):
             return
         if not isinstance(stored, dict):  # not a table of entries: left as it is
             return
-        entry = self._cost_entry(one_token)
+        entry = self._cost_entry(graphs)
         if costs is not None:
             stored[entry] = {str(n): round(ms, 3) for n, ms in sorted(costs.items())}
         elif stored.pop(entry, None) is None:

@@ -8,7 +8,7 @@ of 8 alternating 11-call medians): 16 rows 89.5 ms with 8 x 8 against 106.1 with
 8 rows 58.1 against 70.3, 2 rows 30.6 against 36.1, 4 rows 41.7 against 39.7 and 1 row 31.2 against 31.7 (within
 the rounds' spread). The logits were equal bit for bit: the block changes which outputs a kernel call computes, not
 the order of any sum. In graphs whose block length is dynamic (the artifact's step, tuned for 8 tokens) 8 x 8 did not
-pay (docs/performance.md#batches), so only the one-token batch step gets it (`one_token_block`).
+pay (docs/performance.md#batches), so only the batch steps of one and two tokens a row get it (`batch_step_block`).
 
 inductor has no option for the register block, so while the graph compiles (inside `register_block` only) its list
 of fp32 micro-kernel configurations for this CPU's instruction set keeps the chosen block's. The list is inductor's
@@ -39,8 +39,9 @@ def _micro_gemm():
     return cpp_micro_gemm.micro_gemm_configs, cpp_micro_gemm.CppMicroGemmFP32Vec, type(pick_vec_isa())
 
 
-def one_token_block() -> tuple[int, int, int] | None:
-    """The register block the one-token batch step is built with on this CPU: 8 x 8 where inductor's vector code is
+def batch_step_block() -> tuple[int, int, int] | None:
+    """The register block the batch steps (one and two tokens a row) are built with on this CPU: 8 x 8 where
+    inductor's vector code is
     AVX2 (no AVX-512), else None (inductor's choice); None with `HF_BPD_REGISTER_BLOCK=0`."""
     if os.environ.get("HF_BPD_REGISTER_BLOCK", "1") == "0":
         return None
