@@ -68,20 +68,17 @@ def test_a_block_not_in_the_table_changes_nothing():
     assert table[kernel] == before  # restored
 
 
-def test_the_one_token_step_gets_8x8_on_avx2_only(monkeypatch):
-    """AVX2 (no AVX-512): 8 x 8, recorded in the one-token batch step's key (so a step built with inductor's choice
-    is built again); other instruction sets and `HF_BPD_REGISTER_BLOCK=0`: inductor's choice, nothing recorded."""
-    from torch._inductor.cpu_vec_isa import VecAVX2, VecAVX512
-
-    table, kernel, _ = register_block._micro_gemm()
+def test_the_batch_steps_get_8x8_on_avx2_only(monkeypatch):
+    """AVX2 (no AVX-512): 8 x 8, recorded in the batch steps' keys (so a step built with inductor's choice is built
+    again); other instruction sets and `HF_BPD_REGISTER_BLOCK=0`: inductor's choice, nothing recorded."""
     key = {"format": artifacts.FORMAT}
-    for isa, block in ((VecAVX2, (8, 8, 1)), (VecAVX512, None)):
-        monkeypatch.setattr(register_block, "_micro_gemm", lambda isa=isa: (table, kernel, isa))
+    for capability, block in (("AVX2", (8, 8, 1)), ("AVX512", None), ("DEFAULT", None)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
         assert register_block.batch_step_block() == block
-        one_token = artifacts.graph_key(key, artifacts.ONE_TOKEN)
-        assert one_token.get("register_block") == ("8x8" if block else None)
+        for graph in artifacts.BATCH_GRAPHS:
+            assert artifacts.graph_key(key, graph).get("register_block") == ("8x8" if block else None)
         assert artifacts.graph_key(key) == key  # the step: inductor's choice everywhere
-    monkeypatch.setattr(register_block, "_micro_gemm", lambda: (table, kernel, VecAVX2))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     monkeypatch.setenv("HF_BPD_REGISTER_BLOCK", "0")
     assert register_block.batch_step_block() is None
     assert "register_block" not in artifacts.graph_key(key, artifacts.ONE_TOKEN)

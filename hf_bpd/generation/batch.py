@@ -115,17 +115,17 @@ def _budgeted(drafter) -> bool:
 def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: dict, num_heads: int,
                 generation_config, computed=None, heads_step=None) -> list[DraftTree]:
     """One step's draft trees at the width `policy` chooses: each row's drafts in `width - 1` nodes (its drafter's
-    paths, rescored over the first `width - 1` heads, the depths the step verifies, and prompt lookup's copy
-    best-first; a chain of the heads' argmax tokens for drafters that cannot take a budget), or no drafts (a plain
-    step; when a probe is due, shadow drafts are kept for the `PROBE_ROWS` rows probed longest ago: each one's best
-    path as its drafter rescores it, or the heads' argmax chain for drafters that cannot take a budget). The heads run
-    once for the rows drafted (`heads_step`, the int8 kernel's `_rows_heads_step`, when given: `(log-probabilities, draft-vocabulary indices)`,
-    `(rows, heads, top_k)` each). A probe's shadow drafts stand for what a drafted step would verify: the heads'
-    argmax chains were accepted less often than the drafter's paths (SmolLM2, 32 dev prompts x 96 in batches of 4,
-    84 probes: first token 0.38 against 0.52 for the rescored best path, 0.49 for the best single node a 2-token
-    block verifies), so they held back widths that paid. A probe of every row cost as much as a quarter of a plain
-    step at 16 rows (a 16-row heads call 13.3 ms and 16 rescorings ~1.4 ms each against a ~65-130 ms step, AMD EPYC
-    AVX2, 2 threads), so a probe drafts a few rows, in turn."""
+    paths, rescored over the first `width - 1` heads, the depths the step verifies, and prompt lookup's copy best-first;
+    a chain of the heads' argmax tokens for drafters that cannot take a budget), or no drafts (a plain step; when a
+    probe is due, shadow drafts are kept for the `PROBE_ROWS` rows probed longest ago: each one's best path as its
+    drafter rescores it, or the heads' argmax chain for drafters that cannot take a budget). The heads run once for the
+    rows drafted (`heads_step`, the int8 kernel's `_rows_heads_step`, when given: `(log-probabilities, draft-vocabulary
+    indices)`, `(rows, heads, top_k)` each). A probe's shadow drafts stand for what a drafted step would verify: the
+    heads' argmax chains were accepted less often than the drafter's paths (SmolLM2, 32 dev prompts x 96 in batches of
+    4, 84 probes: first token 0.38 against 0.52 for the rescored best path, 0.49 for the best single node a 2-token
+    block verifies), so they held back widths that paid. A probe of every row cost as much as a quarter of a plain step
+    at 16 rows (a 16-row heads call 13.3 ms and 16 rescorings ~1.4 ms each against a ~65-130 ms step, AMD EPYC AVX2, 2
+    threads), so a probe drafts a few rows, in turn."""
     left = [generation_config.max_length - row.sequence.shape[1] for row in active]  # the step's token included
     width = policy.choose([row.index for row in active], left, computed)
     chains, drafting_ms, budgeted = None, None, _budgeted(plan.drafter)
@@ -197,10 +197,10 @@ def _compiled_runner(base, rows: int, needed_length: int, wait: bool):
                 return None
     runner = batched_runner(base, rows, needed_length, artifact) if reason is None else None
     if runner is not None and artifact is not None:
-        one_token = rows > 1 and artifacts.one_token_unsupported_reason(base) is None
-        runner.one_token = background.ready_artifact(base, artifacts.ONE_TOKEN) if one_token else None
+        batch_steps = rows > 1 and artifacts.one_token_unsupported_reason(base) is None
+        runner.one_token = background.ready_artifact(base, artifacts.ONE_TOKEN) if batch_steps else None
         # the two-token batch step, built after the one-token one (one build at a time per artifact)
-        runner.two_tokens = background.ready_artifact(base, artifacts.TWO_TOKENS) if one_token else None
+        runner.two_tokens = background.ready_artifact(base, artifacts.TWO_TOKENS) if batch_steps else None
     if reason is None and runner is None:
         reason = f"a static cache of {rows} rows x {needed_length} tokens would be too large"
     if runner is None:

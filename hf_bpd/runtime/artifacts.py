@@ -65,6 +65,7 @@ BATCH_GRAPHS = (ONE_TOKEN, TWO_TOKENS)  # the batch steps beside the step (none 
 GRAPH_FORMAT = {ONE_TOKEN: 1, TWO_TOKENS: 1}  # bump when an exported batch step changes
 ONE_TOKEN_ROWS = 16  # the one-token batch step's example rows (inductor tunes its kernels for that many tokens)
 TWO_TOKENS_ROWS = 4  # the two-token batch step's (batches of 4 draft; at 16 rows a second token rarely pays)
+BATCH_EXAMPLE = {ONE_TOKEN: (1, ONE_TOKEN_ROWS), TWO_TOKENS: (2, TWO_TOKENS_ROWS)}  # (tokens a row, example rows)
 WINDOWED_FORMAT = 1  # bump when the step of sliding-window bases (its second mask input) changes
 MAX_BLOCK = 16  # block lengths one artifact serves (1..MAX_BLOCK)
 MAX_ROWS = 64  # batch rows one artifact serves (1..MAX_ROWS)
@@ -239,7 +240,8 @@ def export_step(base, graph: str = STEP):
     if graph == STEP:
         cache, args = _example(base)
     else:
-        cache, args = _example(base, block=1 if one_token else 2, rows=ONE_TOKEN_ROWS if one_token else TWO_TOKENS_ROWS)
+        width, example_rows = BATCH_EXAMPLE[graph]
+        cache, args = _example(base, block=width, rows=example_rows)
     rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
     block = torch.export.Dim("block", min=1, max=MAX_BLOCK) if graph == STEP else torch.export.Dim.STATIC
     attended = torch.export.Dim("attended", min=2, max=MAX_CONTEXT)

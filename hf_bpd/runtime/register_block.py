@@ -1,4 +1,4 @@
-"""The register block of inductor's fp32 CPU GEMM micro-kernel, chosen for the one-token batch step on AVX2 CPUs.
+"""The register block of inductor's fp32 CPU GEMM micro-kernel, chosen for the batch steps on AVX2 CPUs.
 
 inductor picks the micro-kernel's register block (rows x columns of the output it keeps in registers) by its size
 first. On AVX2 that is 4 x 24, so a GEMM over 16 rows (a batch of 16, one token each) passes over every weight panel
@@ -26,7 +26,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-AVX2_ONE_TOKEN_BLOCK = (8, 8, 1)  # (rows, columns, k) of the one-token batch step's fp32 micro-kernel on AVX2
+AVX2_BATCH_STEP_BLOCK = (8, 8, 1)  # (rows, columns, k) of the batch steps' fp32 micro-kernel on AVX2
 
 
 def _micro_gemm():
@@ -40,18 +40,14 @@ def _micro_gemm():
 
 
 def batch_step_block() -> tuple[int, int, int] | None:
-    """The register block the batch steps (one and two tokens a row) are built with on this CPU: 8 x 8 where
-    inductor's vector code is
-    AVX2 (no AVX-512), else None (inductor's choice); None with `HF_BPD_REGISTER_BLOCK=0`."""
+    """The register block the batch steps (one and two tokens a row) are built with on this CPU: 8 x 8 where the
+    CPU's vector capability is AVX2 (no AVX-512), else None (inductor's choice); None with `HF_BPD_REGISTER_BLOCK=0`.
+    Read from torch's capability, not inductor's instruction-set probe: every batch step's key asks for it, and
+    the probe costs ~6 s in a process that has not loaded inductor (where the two disagree, `register_block` finds
+    no 8 x 8 entry and changes nothing)."""
     if os.environ.get("HF_BPD_REGISTER_BLOCK", "1") == "0":
         return None
-    try:
-        from torch._inductor.cpu_vec_isa import VecAVX2
-
-        isa = _micro_gemm()[2]
-    except Exception:  # noqa: BLE001 - another torch: inductor's choice
-        return None
-    return AVX2_ONE_TOKEN_BLOCK if isa is VecAVX2 else None
+    return AVX2_BATCH_STEP_BLOCK if torch.backends.cpu.get_cpu_capability() == "AVX2" else None
 
 
 def _fp32(config) -> bool:
