@@ -214,7 +214,9 @@ def test_bench_batch_sizes_compare_batched_bpd_with_batched_plain_decoding(tiny,
     row = json.loads(out.read_text())["batches"][0]
     compiled = {name: row["methods"][name] for name in ("ar-compiled", "bpd-compiled")}
     assert row["best_plain"] in ("ar", "ar-compiled") and all(m["identical_rows"] == 3 for m in compiled.values())
-    assert all(m["compile_seconds"] > 0 and m["tokens_per_s"] > 0 for m in compiled.values())
+    # the methods share the compiled shapes: each shape's time goes to the first call that meets it
+    assert sum(m["compile_seconds"] for m in compiled.values()) > 0 and compiled["ar-compiled"]["compile_seconds"] > 0
+    assert all(m["compile_seconds"] >= 0 and m["tokens_per_s"] > 0 for m in compiled.values())
 
 
 def test_bench_on_a_plain_base_model(tiny, capsys):

@@ -41,7 +41,7 @@ def batch_decoders(model, base, settings: dict, methods) -> dict:
     `compile=True`: batched drafting verified on the base's artifact (`hf_bpd.runtime.artifacts`, built here first
     when missing, outside every timed call), eagerly where it cannot serve the base; `bpd-compiled` batched drafting
     on the compiled batched step (`compile="wait"`: the shapes a batch meets compile in the call, and their time is
-    taken out of the timing)."""
+    taken out of the timing; the two compiled methods share their shapes, so a shape's time is the first one's)."""
     check_batch_methods(methods)
     if "bpd" in methods or "ar-artifact" in methods:
         _build_artifact(base)
