@@ -77,6 +77,8 @@ def no_artifacts_unless_marked(request, monkeypatch):
     (`hf_bpd.runtime.background`); tests not marked `artifacts` compile in-process instead (`HF_BPD_ARTIFACTS=0`)."""
     if request.node.get_closest_marker("artifacts") is None:
         monkeypatch.setenv("HF_BPD_ARTIFACTS", "0")
+    if request.node.get_closest_marker("eight_tokens") is None:  # no background builds of tiny bases' 8-token steps
+        monkeypatch.setenv("HF_BPD_EIGHT_TOKENS", "0")
 
 
 @contextlib.contextmanager

@@ -92,10 +92,10 @@ def compiled_verifier(model, needed_length: int, attention_mask=None, wait: bool
     if reason is not None:
         warnings.warn(f"hf_bpd: compile=True is not used for this call ({reason}); decoding eagerly", stacklevel=4)
         return None
-    artifact = None
+    artifact, log = None, lambda line: background.logger.warning("hf_bpd: %s", line)
     if artifacts.enabled() and artifacts.unsupported_reason(base) is None:
         if wait:
-            artifact = artifacts.ensure(base, log=lambda line: background.logger.warning("hf_bpd: %s", line))
+            artifact = artifacts.ensure(base, log=log)
         else:
             artifact = background.ready_artifact(base)
             if artifact is None:
@@ -103,4 +103,9 @@ def compiled_verifier(model, needed_length: int, attention_mask=None, wait: bool
     runner = compiled_runner(base, needed_length, artifact)
     if isinstance(runner, ArtifactRunner):
         runner.blocking = wait
+        eight = None
+        if artifacts.eight_tokens_unsupported_reason(base) is None:  # AVX2: blocks of 8 on a graph of their own
+            eight = (artifacts.ensure(base, log=log, graph=artifacts.EIGHT_TOKENS) if wait
+                     else background.ready_artifact(base, artifacts.EIGHT_TOKENS))
+        runner.attach_eight_tokens(eight)
     return CompiledVerifier(model, runner), runner

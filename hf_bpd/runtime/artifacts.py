@@ -32,6 +32,13 @@ sliding-window layers (Gemma-3) has no batch steps; its step takes the sliding l
 (`_WindowedStep`), so a batch's rows, whose slots hold other positions than their index, pass the windows they built,
 and a lone call's is derived from its full mask (`step.window_mask`).
 
+On AVX2 CPUs a lone call's blocks of 8 tokens (7 draft nodes) run on a fourth graph, the eight-token step
+(`EIGHT_TOKENS`, `eight_tokens.pt2`): one row of 8 tokens, rows and block length static, the 8 x 8 register block, so
+each GEMM covers its 8 rows in one pass (SmolLM2 fp32, AMD EPYC family 23, 2 threads, 300 cached tokens: 32.2 ms
+against 41.1 on the step, logits and hidden states equal bit for bit; a one-token step: 24.8). It is built after the
+step (in the background, or by `hf-bpd compile` and `install.sh`); fp32 bases without sliding-window layers only
+(`eight_tokens_unsupported_reason`).
+
 An artifact is valid for what it was built from, all in its key: the base's weights (a fingerprint of every tensor),
 dtype and config, the torch / transformers / hf_bpd versions, the CPU's instruction set and flags (an artifact built
 where AMX tiles are would not run where they are not; both CPUs say AVX512) and the thread count (baked into
@@ -61,8 +68,10 @@ from .step import VerificationStep, compile_unsupported_reason, kv_layout, slidi
 
 FORMAT = 4  # bump when the exported step changes (4: built with the GEMM weight prefetches)
 STEP, ONE_TOKEN, TWO_TOKENS = "step", "one_token", "two_tokens"  # the graphs: every block; 1 or 2 tokens a row
+EIGHT_TOKENS = "eight_tokens"  # one row of 8 tokens (a lone call's block of 7 draft nodes), AVX2 CPUs only
 BATCH_GRAPHS = (ONE_TOKEN, TWO_TOKENS)  # the batch steps beside the step (none for sliding-window bases)
-GRAPH_FORMAT = {ONE_TOKEN: 1, TWO_TOKENS: 1}  # bump when an exported batch step changes
+GRAPH_FORMAT = {ONE_TOKEN: 1, TWO_TOKENS: 1, EIGHT_TOKENS: 1}  # bump when an exported graph beside the step changes
+EIGHT = 8  # the eight-token step's block length
 ONE_TOKEN_ROWS = 16  # the one-token batch step's example rows (inductor tunes its kernels for that many tokens)
 TWO_TOKENS_ROWS = 4  # the two-token batch step's (batches of 4 draft; at 16 rows a second token rarely pays)
 BATCH_EXAMPLE = {ONE_TOKEN: (1, ONE_TOKEN_ROWS), TWO_TOKENS: (2, TWO_TOKENS_ROWS)}  # (tokens a row, example rows)
@@ -74,10 +83,11 @@ PACKAGE = "step.pt2"
 LOCK = "build.lock"  # held by whoever builds the artifact
 FAILED = "build.failed"  # the last build's error (a background build is not started again while it is there)
 DESCRIPTION = {STEP: "the compiled step", ONE_TOKEN: "the compiled one-token batch step",  # in log lines
-               TWO_TOKENS: "the compiled two-token batch step"}
+               TWO_TOKENS: "the compiled two-token batch step", EIGHT_TOKENS: "the compiled eight-token step"}
 _FILES = {STEP: (PACKAGE, "key.json", FAILED),  # graph -> (package, its record, its last build's error)
           ONE_TOKEN: ("one_token.pt2", "one_token.json", "one_token.failed"),
-          TWO_TOKENS: ("two_tokens.pt2", "two_tokens.json", "two_tokens.failed")}
+          TWO_TOKENS: ("two_tokens.pt2", "two_tokens.json", "two_tokens.failed"),
+          EIGHT_TOKENS: ("eight_tokens.pt2", "eight_tokens.json", "eight_tokens.failed")}
 ATTENTION_NAME = "hf_bpd_attended_sdpa"
 ONE_TOKEN_ATTENTION_NAME = "hf_bpd_attended_stacked_sdpa"
 
@@ -168,8 +178,8 @@ def key_dir(key: dict) -> Path:
 
 
 def graph_key(key: dict, graph: str = STEP) -> dict:
-    """What `graph`'s record must hold: the artifact's key, and for a batch step its own format and the GEMM register
-    block it is built with where it is not inductor's choice (AVX2: `register_block.batch_step_block`)."""
+    """What `graph`'s record must hold: the artifact's key, and for a graph beside the step its own format and the GEMM
+    register block it is built with where it is not inductor's choice (AVX2: `register_block.batch_step_block`)."""
     from .register_block import batch_step_block
 
     _check_graph(graph)
@@ -221,6 +231,23 @@ def one_token_unsupported_reason(base) -> str | None:
     return None
 
 
+def eight_tokens_unsupported_reason(base) -> str | None:
+    """Why `base`'s lone calls have no eight-token step (None when they can): it pays where its GEMMs run the 8 x 8
+    register block (AVX2 CPUs: a static 8-row GEMM in one pass instead of two; `register_block`), for fp32 bases
+    without sliding-window layers (each graph holds the weights again). `HF_BPD_EIGHT_TOKENS=0` turns it off."""
+    from .register_block import batch_step_block
+
+    if os.environ.get("HF_BPD_EIGHT_TOKENS", "1") == "0":
+        return "turned off (HF_BPD_EIGHT_TOKENS=0)"
+    if sliding_window_of(base) is not None:
+        return "sliding-window bases run their blocks on the step"
+    if base.dtype != torch.float32:
+        return "bf16, fp16 and int8-weight bases run their blocks on the step"
+    if batch_step_block() is None:
+        return "the step serves blocks of 8 as fast where inductor's register block covers 8 rows (AVX-512)"
+    return None
+
+
 def _example(base, capacity: int = 64, block: int = 4, past: int = 8, rows: int = 2):
     heads, head_dim = kv_layout(base.config)
     cache = verification_cache(base.config, capacity)
@@ -235,14 +262,17 @@ def _example(base, capacity: int = 64, block: int = 4, past: int = 8, rows: int 
 def export_step(base, graph: str = STEP):
     """`torch.export` of the step with dynamic batch rows, block length, cache capacity and attended length (the
     one-token batch step: one token per row, `ONE_TOKEN_ROWS` example rows, stacked query heads; the two-token batch
-    step: two tokens per row, `TWO_TOKENS_ROWS` example rows)."""
+    step: two tokens per row, `TWO_TOKENS_ROWS` example rows; the eight-token step: one row of 8 tokens)."""
     one_token = graph == ONE_TOKEN
     if graph == STEP:
         cache, args = _example(base)
+    elif graph == EIGHT_TOKENS:
+        cache, args = _example(base, block=EIGHT, rows=1)
     else:
         width, example_rows = BATCH_EXAMPLE[graph]
         cache, args = _example(base, block=width, rows=example_rows)
-    rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
+    static_rows = graph == EIGHT_TOKENS  # static GEMM rows: the 8 x 8 block's one pass
+    rows = torch.export.Dim.STATIC if static_rows else torch.export.Dim("rows", min=1, max=MAX_ROWS)
     block = torch.export.Dim("block", min=1, max=MAX_BLOCK) if graph == STEP else torch.export.Dim.STATIC
     attended = torch.export.Dim("attended", min=2, max=MAX_CONTEXT)
     capacity = torch.export.Dim("capacity", min=16, max=MAX_CONTEXT)
@@ -296,7 +326,7 @@ def build(base, threads: int | None = None, log=None, key: dict | None = None, g
         exported = export_step(base, graph)
         options = {**INDUCTOR_OPTIONS, **compiler_options(), "cpp.threads": key["threads"]}
         partial = directory / f".partial-{os.getpid()}-{package.name}"
-        block = batch_step_block() if graph in BATCH_GRAPHS else None
+        block = batch_step_block() if graph != STEP else None
         with torch.no_grad(), prefetching_gemm_template(), register_block(block), quiet_compilation(), \
                 torch._inductor.config.patch(compiler_options()):
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial), inductor_configs=options)
@@ -391,9 +421,12 @@ def ensure(base, log=None, graph: str = STEP) -> Artifact:
 
 def preload(base, generation_config=None) -> None:
     """Load `base`'s artifact now (at `from_pretrained`) when its generation config compiles and one is built, so the
-    first `generate()` runs at full speed; nothing when none is built (`HF_BPD_ARTIFACTS=0`: never)."""
+    first `generate()` runs at full speed (and its eight-token step where it has one); nothing when none is built
+    (`HF_BPD_ARTIFACTS=0`: never)."""
     if getattr(generation_config, "compile", False) and enabled():
         load(base)
+        if eight_tokens_unsupported_reason(base) is None:
+            load(base, graph=EIGHT_TOKENS)
 
 
 def forget(base) -> None:

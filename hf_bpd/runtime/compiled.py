@@ -47,6 +47,7 @@ COMPILED_DRAFT_SLOTS = 7
 MAX_COMPILED_SHAPES = 64  # block lengths one runner may compile (dynamo's own limit is 8)
 TIMED_CALLS = 5  # timed calls of each block length in `warm_up` (after two untimed ones)
 STEP_COSTS_FILE = "step_costs.json"  # an artifact's timed block lengths, kept beside it (`ArtifactRunner`)
+EIGHT_TOKENS_COSTS_FILE = "step_costs_eight_tokens.json"  # the same with its blocks of 8 on the eight-token step
 SANE_DROP = 0.1  # a kept table's longer block may time at most this share under a shorter one
 
 
@@ -340,15 +341,18 @@ class ArtifactRunner(CompiledRunner):
     a test run, priced one token at 40.5 ms and four at 41.0; timed again, one took 29.8 and five 38.5), so a process
     checks it against its own steps (`hf_bpd.runtime.cache_files.KeptCostCheck`: the median of the first 16 steps of
     each kept length, if 25 % off its kept cost, condemns the table): the table is dropped (the file too), and the next
-    call's `warm_up` times every length again and keeps those."""
+    call's `warm_up` times every length again and keeps those. Blocks of 8 tokens of one row run on the artifact's
+    eight-token step once it is attached (`attach_eight_tokens`; AVX2 CPUs), whose costs are kept apart
+    (`EIGHT_TOKENS_COSTS_FILE`)."""
 
     kind = "artifact"
 
     def __init__(self, base, max_cache_len: int, artifact):
-        from .artifacts import MAX_BLOCK
+        from .artifacts import EIGHT, MAX_BLOCK
 
         super().__init__(base, max_cache_len)
         self.artifact, self.max_block = artifact, MAX_BLOCK
+        self.eight_tokens, self.eight = None, EIGHT  # the artifact's eight-token step (once attached), its block
         self.kv = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
         self.blocking = False  # set per call: whether a block over `max_block` may compile
         for block, ms in self._stored_ms().items():  # served by the artifact: nothing to compile, already timed
@@ -358,7 +362,21 @@ class ArtifactRunner(CompiledRunner):
 
     def _costs_path(self):
         path = getattr(self.artifact, "path", None)
-        return None if path is None else path.parent / STEP_COSTS_FILE
+        name = STEP_COSTS_FILE if self.eight_tokens is None else EIGHT_TOKENS_COSTS_FILE
+        return None if path is None else path.parent / name
+
+    def attach_eight_tokens(self, eight_tokens) -> None:
+        """Run blocks of 8 tokens of one row on `eight_tokens` (the artifact's eight-token step; None: on the step).
+        The kept costs switch to its table: every served length's cost is read from there or timed again."""
+        if eight_tokens is self.eight_tokens:
+            return
+        self.eight_tokens = eight_tokens
+        for block in [b for b in self.bucket_ms if b <= self.max_block]:
+            del self.bucket_ms[block]
+        for block, ms in self._stored_ms().items():
+            self.compiled_buckets.setdefault(block, 0.0)
+            self.bucket_ms[block] = ms
+        self.kept = KeptCostCheck(self.bucket_ms)
 
     def _stored_ms(self) -> dict[int, float]:
         """`{block length: ms}` an earlier process timed on this artifact (blocks it serves only)."""
@@ -412,7 +430,9 @@ class ArtifactRunner(CompiledRunner):
         attended = int(cache_position[-1]) + 1  # the cached tokens and this block; the slots after it are not read
         mask = attention_mask[..., :attended].contiguous()
         start = time.perf_counter()
-        logits, hidden = self.artifact(input_ids, position_ids, mask, cache_position[0], self.kv)
+        eight = self.eight_tokens is not None and q == self.eight and input_ids.shape[0] == 1
+        graph = self.eight_tokens if eight else self.artifact
+        logits, hidden = graph(input_ids, position_ids, mask, cache_position[0], self.kv)
         if q in self.kept:
             self._check_kept(q, 1000 * (time.perf_counter() - start))
         self.last_kind = "artifact"
