@@ -355,10 +355,7 @@ class ArtifactRunner(CompiledRunner):
         self.eight_tokens, self.eight = None, EIGHT  # the artifact's eight-token step (once attached), its block
         self.kv = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
         self.blocking = False  # set per call: whether a block over `max_block` may compile
-        for block, ms in self._stored_ms().items():  # served by the artifact: nothing to compile, already timed
-            self.compiled_buckets.setdefault(block, 0.0)
-            self.bucket_ms[block] = ms
-        self.kept = KeptCostCheck(self.bucket_ms)  # kept costs, checked against this process's steps
+        self._read_kept()
 
     def _costs_path(self):
         path = getattr(self.artifact, "path", None)
@@ -373,7 +370,11 @@ class ArtifactRunner(CompiledRunner):
         self.eight_tokens = eight_tokens
         for block in [b for b in self.bucket_ms if b <= self.max_block]:
             del self.bucket_ms[block]
-        for block, ms in self._stored_ms().items():
+        self._read_kept()
+
+    def _read_kept(self) -> None:
+        """The kept costs (`_stored_ms`) as this runner's, checked against this process's steps (`KeptCostCheck`)."""
+        for block, ms in self._stored_ms().items():  # served by the artifact: nothing to compile, already timed
             self.compiled_buckets.setdefault(block, 0.0)
             self.bucket_ms[block] = ms
         self.kept = KeptCostCheck(self.bucket_ms)
