@@ -16,7 +16,8 @@ pytestmark = pytest.mark.autotune  # the GEMM templates only run where inductor 
 def _fp32_blocks() -> list[tuple[int, int, int]]:
     """This CPU's fp32 register blocks in inductor's table, in its order."""
     table, kernel, isa = register_block._micro_gemm()
-    return [tuple(c.register_blocking) for c in table[kernel] if c.vec_isa_cls is isa and register_block._fp32(c)]
+    return [tuple(c.register_blocking) for c in table[kernel]
+            if register_block._serves(c, isa) and register_block._fp32(c)]
 
 
 def _compiled(module, x, block=None):
@@ -62,10 +63,25 @@ def test_a_block_not_in_the_table_changes_nothing():
     for block in (None, (3, 5, 7)):
         with register_block.register_block(block) as applied:
             assert not applied and table[kernel] == before
-    block = _fp32_blocks()[-1]
+    blocks = _fp32_blocks()
+    if len(blocks) < 2:  # dropping the other blocks needs at least two
+        pytest.skip(f"inductor has {len(blocks)} fp32 register block(s) for this CPU's instruction set")
+    block = blocks[-1]
     with register_block.register_block(block) as applied:
         assert applied and len(table[kernel]) < len(before)
     assert table[kernel] == before  # restored
+
+
+def test_an_amx_cpu_is_served_by_the_avx512_fp32_blocks():
+    """inductor matches a micro-kernel to the CPU by subclass: an AMX CPU runs the AVX-512 fp32 kernels, so the
+    blocks this module may force there are those (none would be found by comparing classes for identity)."""
+    from torch._inductor.cpu_vec_isa import VecAMX, VecAVX2, VecAVX512
+
+    table, kernel, _ = register_block._micro_gemm()
+    avx512 = [c for c in table[kernel] if c.vec_isa_cls is VecAVX512 and register_block._fp32(c)]
+    assert avx512, "inductor's table has no AVX-512 fp32 micro-kernel"
+    assert all(register_block._serves(c, VecAMX) for c in avx512)
+    assert not any(register_block._serves(c, VecAVX2) for c in avx512)
 
 
 def test_the_batch_steps_get_8x8_on_avx2_only(monkeypatch):

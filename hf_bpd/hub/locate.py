@@ -22,7 +22,8 @@ from ..limits import HUB_PROBE_TIMEOUT
 
 # The PyPI-packaged base models (`hub.base_models.PACKAGED_MODELS`, which holds their details; a test keeps the two
 # lists equal). Listed here too so that names can be checked without importing torch.
-PACKAGED_ALIASES = ("smollm2-135m-instruct", "gemma-3-270m")
+PACKAGED_ALIASES = ("smollm2-135m-instruct", "gemma-3-270m", "qwen2.5-coder-1.5b-instruct",
+                    "qwen2.5-coder-0.5b-instruct")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 _probe: dict = {"at": 0.0, "reachable": None, "target": None}  # the last answer of `hub_reachable`
 

@@ -51,6 +51,12 @@ def batch_step_block() -> tuple[int, int, int] | None:
     return AVX2_BATCH_STEP_BLOCK if torch.backends.cpu.get_cpu_capability() == "AVX2" else None
 
 
+def _serves(config, isa) -> bool:
+    """Whether inductor may pick `config` on a CPU of instruction-set class `isa`: as inductor matches, by subclass
+    (an AMX CPU's class derives from AVX-512's and runs its fp32 kernels)."""
+    return issubclass(isa, config.vec_isa_cls)
+
+
 def _fp32(config) -> bool:
     return config.input_dtype == config.input2_dtype == config.output_dtype == torch.float32
 
@@ -69,7 +75,7 @@ def register_block(block: tuple[int, int, int] | None):
         yield False
         return
     block = tuple(block)
-    mine = [c for c in configs if c.vec_isa_cls is isa and _fp32(c)]
+    mine = [c for c in configs if _serves(c, isa) and _fp32(c)]
     if not any(tuple(c.register_blocking) == block for c in mine):
         yield False
         return

@@ -7,6 +7,7 @@ greedy (or sampled) outputs. Batched, resumable (appends, and skips ids already 
         --output data/distilled.jsonl --max-new-tokens 256 --batch-size 32 [--limit N] [--do-sample --seed 0]
     python training/self_distill.py ... --device cuda --dtype bfloat16 --batch-size 128   # on a GPU
     python training/self_distill.py --model checkpoints/smollm2-135m-instruct-bpd ...      # batched drafting
+    python training/self_distill.py --prompts pool.jsonl.gz --sources gpteacher_codegen lima ...  # some sources only
 """
 
 import argparse
@@ -34,6 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--prompts", nargs="+", required=True, help="prompt files (Alpaca/GSM8K/MT-bench/ShareGPT/text)")
     p.add_argument("--output", required=True)
     p.add_argument("--exclude", nargs="*", default=[], help="prompt files whose prompts are held out (dev split)")
+    p.add_argument("--sources", nargs="*", default=None,
+                   help="only prompts whose record names one of these sources (the prompt pool's `source` field)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts (after interleaving sources)")
@@ -72,7 +75,12 @@ def main(argv=None):
     held_out = held_out_prompts(args.exclude)
     sources = []
     for path in args.prompts:
-        sources.append(shuffled([r for r in load_prompts(path) if r["prompt"] not in held_out], args.seed))
+        records = [r for r in load_prompts(path) if r["prompt"] not in held_out]
+        if args.sources is not None:
+            # one round-robin group per named source, so a partial run covers each of them
+            sources += [shuffled([r for r in records if r["source"] == name], args.seed) for name in args.sources]
+        else:
+            sources.append(shuffled(records, args.seed))
     prompts = interleave(sources)[: args.limit]
 
     output = Path(args.output)
