@@ -625,3 +625,45 @@ def test_the_eight_token_step_equals_the_eager_step_and_serves_lone_blocks_of_8(
     assert "bf16" in artifacts.eight_tokens_unsupported_reason(saved_base(built[0]).to(torch.bfloat16))
     monkeypatch.setenv("HF_BPD_REGISTER_BLOCK", "0")  # inductor's own block: the step serves 8 as fast
     assert "AVX-512" in artifacts.eight_tokens_unsupported_reason(base)
+
+
+def test_weights_changed_in_place_are_never_verified_by_the_old_artifact(built, monkeypatch):
+    """A compiled call, then a write through `.data` (no version bump, as a LoRA merge does): the next call gets no
+    artifact of the old weights (it verifies eagerly while the new weights' build starts) and equals eager
+    `generate()` of the changed base, which differs from the old base's."""
+    from hf_bpd.runtime import background
+
+    cache, _, _ = built
+    base = saved_base(cache)
+    model = BlockwiseParallelForCausalLM.from_base(base, num_heads=2).eval()
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(11))
+    kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
+    before = base.generate(ids, **kw)
+    assert torch.equal(model.generate(ids, compile=True, **kw), before)
+    assert model.last_generation_stats.verifier == "artifact"
+    old_key = artifacts.cached_key(base)
+    with torch.no_grad():
+        for layer in base.model.layers:
+            layer.mlp.down_proj.weight.data.mul_(-3.0)
+    started = []
+    monkeypatch.setattr(background, "start_build", lambda base, key, directory, graph=artifacts.STEP:
+                        started.append((key, graph)))
+    after = base.generate(ids, **kw)
+    assert not torch.equal(after, before)  # the change matters, so the old artifact would be caught
+    assert torch.equal(model.generate(ids, compile=True, **kw), after)
+    assert model.last_generation_stats.verifier != "artifact"
+    assert started and started[0][0]["weights"] != old_key["weights"] and started[0][0] == artifacts.cached_key(base)
+
+
+def test_bases_that_share_the_sampled_fingerprint_get_different_artifacts(built):
+    """Every weight x (1 + 2^-20) keeps the bf16-rounded fingerprint (heads still belong to the base) but not the
+    artifact's key, which is the weights' exact digest."""
+    from hf_bpd import fingerprint
+
+    cache, base, _ = built
+    other = saved_base(cache)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.mul_(1 + 2 ** -20)
+    assert fingerprint(other) == fingerprint(base)
+    assert artifacts.artifact_key(other, 1)["weights"] != artifacts.artifact_key(base, 1)["weights"]

@@ -323,3 +323,16 @@ def test_a_second_base_of_the_same_shape_gets_its_own_graph(one_thread):
         outputs.append(got)
         verify_runtime.discard_runners(model.base_lm)
     assert not torch.equal(outputs[0], outputs[1])
+
+
+def test_a_base_whose_weights_changed_gets_new_runners(one_thread):
+    """Compiled runners freeze the weights into their graphs: after a write through `.data` (which bumps no version)
+    the base's next call gets a fresh runner, not one compiled for the old weights."""
+    model = copy.deepcopy(random_bpd("qwen2", 2))
+    base = model.base_lm
+    runner = verify_runtime.compiled_runner(base, 64)
+    assert verify_runtime.compiled_runner(base, 64) is runner
+    with torch.no_grad():
+        base.model.layers[0].mlp.up_proj.weight.data.add_(0.5)
+    assert verify_runtime.compiled_runner(base, 64) is not runner
+    verify_runtime._RUNNERS.pop(base, None)

@@ -39,7 +39,7 @@ against 41.1 on the step, logits and hidden states equal bit for bit; a one-toke
 step (in the background, or by `hf-bpd compile` and `install.sh`); fp32 bases without sliding-window layers only
 (`eight_tokens_unsupported_reason`).
 
-An artifact is valid for what it was built from, all in its key: the base's weights (a fingerprint of every tensor),
+An artifact is valid for what it was built from, all in its key: the base's weights (`weights.digest`: every byte),
 dtype and config, the torch / transformers / hf_bpd versions, the CPU's instruction set and flags (an artifact built
 where AMX tiles are would not run where they are not; both CPUs say AVX512) and the thread count (baked into
 inductor's GEMM code). It lives in `$HF_BPD_CACHE/artifacts/<key>/` beside `key.json` (with the package's
@@ -61,12 +61,13 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import weights
 from .attention import attention_implementation, stacked_query_attention
 from .ordered_attention import uses_ordered_attention
 from .step import VerificationStep, compile_unsupported_reason, kv_layout, sliding_window_of, verification_cache, \
     window_mask
 
-FORMAT = 4  # bump when the exported step changes (4: built with the GEMM weight prefetches)
+FORMAT = 5  # bump when the exported step or the key changes (5: keyed on the weights' exact digest)
 STEP, ONE_TOKEN, TWO_TOKENS = "step", "one_token", "two_tokens"  # the graphs: every block; 1 or 2 tokens a row
 EIGHT_TOKENS = "eight_tokens"  # one row of 8 tokens (a lone call's block of 7 draft nodes), AVX2 CPUs only
 BATCH_GRAPHS = (ONE_TOKEN, TWO_TOKENS)  # the batch steps beside the step (none for sliding-window bases)
@@ -155,13 +156,12 @@ def artifact_key(base, threads: int | None = None) -> dict:
     import transformers
 
     from .. import __version__
-    from ..hub.base_models import fingerprint
     from .int8_heads import cpu_features
 
     # the config's values, without the fields that only record where it came from (`save_pretrained` sets some)
     config = {k: v for k, v in base.config.to_dict().items() if k not in _PROVENANCE}
     config = json.dumps(config, sort_keys=True, default=str)
-    return {"format": FORMAT, "weights": fingerprint(base, samples_per_tensor=4096), "dtype": str(base.dtype),
+    return {"format": FORMAT, "weights": weights.digest(base), "dtype": str(base.dtype),
             "config": hashlib.sha256(config.encode()).hexdigest()[:16], "torch": torch.__version__,
             "transformers": transformers.__version__, "hf_bpd": __version__,
             "cpu": torch.backends.cpu.get_cpu_capability(), "threads": threads or torch.get_num_threads(),
@@ -376,17 +376,18 @@ class Artifact:
 
 # base -> {(graph, threads): Artifact (None: none on disk)}; the thread count is baked into the GEMM code
 _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> (threads, weights' versions, key)
+_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> (threads, weights' marker, key)
+_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> its weights' marker when last loaded for
 
 
 def cached_key(base, threads: int | None = None) -> dict:
-    """`artifact_key(base, threads)`, computed again only when a weight changed (the fingerprint reads every
-    tensor: ~0.1 s for SmolLM2)."""
+    """`artifact_key(base, threads)`, computed again only when the weights changed (`weights.marker`; the digest
+    reads every byte: ~0.3 s for SmolLM2 fp32)."""
     threads = threads or torch.get_num_threads()
-    versions = tuple((p.data_ptr(), p._version) for p in base.parameters())
+    mark = weights.marker(base)
     known = _KEYS.get(base)
-    if known is None or known[:2] != (threads, versions):
-        known = _KEYS[base] = (threads, versions, artifact_key(base, threads))
+    if known is None or known[:2] != (threads, mark):
+        known = _KEYS[base] = (threads, mark, artifact_key(base, threads))
     return known[2]
 
 
@@ -395,6 +396,8 @@ def load(base, threads: int | None = None, again: bool = False, graph: str = STE
     None. A base found without it is looked up again only with `again`. `threads`: the thread count it was built
     for (default: torch's now; a process that changes it gets that count's artifact)."""
     threads = threads or torch.get_num_threads()
+    if weights.changed_since(base, _SEEN):  # changed in place: every graph loaded for it holds the old weights
+        _LOADED.pop(base, None)
     loaded, slot = _LOADED.setdefault(base, {}), (graph, threads)
     if slot in loaded and not (again and loaded[slot] is None):
         return loaded[slot]

@@ -41,6 +41,7 @@ import weakref
 import torch
 from transformers.cache_utils import StaticCache
 
+from . import weights
 from .attention import (ATTENTION_NAME, BATCHED_ATTENTION_NAME, attention_implementation, grouped_query_attention,
                         uses_grouped_attention)
 from .compiled import CACHE_BUCKET, MAX_COMPILED_SHAPES, _Patches
@@ -338,6 +339,7 @@ def batched_artifact_unsupported_reason(base, rows: int) -> str | None:
 
 # base model -> {(rows, max_cache_len, kind): runner}; kind "compiled" (compiled in the call) or "artifact"
 _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WEIGHTS_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> its weights' marker at the last call
 _LOCK = threading.RLock()  # one compiled batch at a time (a call may move between runners as its rows finish)
 
 
@@ -351,8 +353,12 @@ def batched_runner(base, rows: int, needed_length: int, artifact=None) -> Batche
     `ArtifactBatchedRunner`) or compiling its shapes (when `artifact` is None): the smallest existing one of that
     kind, else a new one rounded up to `CACHE_BUCKET` slots; None when the base's runners' caches would then pass
     `MAX_CACHE_BYTES` together (runners are kept for the process)."""
+    if weights.changed_since(base, _WEIGHTS_SEEN):  # its runners' graphs hold the old weights
+        _RUNNERS.pop(base, None)
     runners = _RUNNERS.setdefault(base, {})
     kind = (BatchedRunner if artifact is None else ArtifactBatchedRunner).kind
+    for key in [k for k, r in runners.items() if k[2] == "artifact" and r.artifact is not artifact]:
+        del runners[key]  # built on another artifact (of this base's earlier weights)
     fitting = [size for r, size, k in runners if r == rows and k == kind and size >= needed_length]
     if fitting:
         return runners[rows, min(fitting), kind]

@@ -24,6 +24,7 @@ import torch._dynamo.config as dynamo_config
 import torch._inductor.config as inductor_config
 from torch import nn
 
+from . import weights
 from .attention import attention_implementation, grouped_query_attention, uses_grouped_attention
 from .cache_files import KeptCostCheck, store_json
 from .frame_stack import on_fresh_frame_stack
@@ -444,6 +445,7 @@ class ArtifactRunner(CompiledRunner):
 _CALLS = itertools.count(1)  # compiled calls that ended, in order
 # base model -> {(kind, max_cache_len): runner}: an artifact runner replaces the compiling one once an artifact exists
 _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WEIGHTS_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> its weights' marker at the last call
 
 
 def compiled_runner(base, needed_length: int, artifact=None) -> CompiledRunner:
@@ -451,8 +453,12 @@ def compiled_runner(base, needed_length: int, artifact=None) -> CompiledRunner:
     `ArtifactRunner`) or compiling (`CompiledRunner`, when `artifact` is None): the smallest one of that kind that
     exists (its compiled steps are reused), else a new one (created, not compiled) rounded up to `CACHE_BUCKET`
     tokens."""
+    if weights.changed_since(base, _WEIGHTS_SEEN):  # its runners' graphs hold the old weights
+        discard_runners(base)
     runners = _RUNNERS.setdefault(base, {})
     kind = "compiled" if artifact is None else "artifact"
+    for key in [k for k, r in runners.items() if k[0] == "artifact" and r.artifact is not artifact]:
+        del runners[key]  # built on another artifact (of this base's earlier weights)
     fitting = [size for k, size in runners if k == kind and size >= needed_length]
     if fitting:
         runner = runners[kind, min(fitting)]

@@ -29,11 +29,13 @@ import weakref
 import torch
 from torch import nn
 
+from . import weights
 from .int8_weights import Int8WeightLinear
 from .kernels import LANES, kernels_unsupported_reason
 from .rotary_table import table_rotary_embeddings
 
 _CLONES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> its packed module tree
+_WEIGHTS_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> its weights' marker when packed
 _lock = threading.Lock()
 
 
@@ -79,6 +81,8 @@ def packed_base(base) -> nn.Module | None:
     if base.dtype != torch.bfloat16 or base.device.type != "cpu" or kernels_unsupported_reason() is not None:
         return None
     with _lock:
+        if weights.changed_since(base, _WEIGHTS_SEEN):  # the packed copies hold the old weights
+            _CLONES.pop(base, None)
         clone = _CLONES.get(base)
         if clone is not None:
             return clone
