@@ -667,3 +667,63 @@ def test_bases_that_share_the_sampled_fingerprint_get_different_artifacts(built)
             param.mul_(1 + 2 ** -20)
     assert fingerprint(other) == fingerprint(base)
     assert artifacts.artifact_key(other, 1)["weights"] != artifacts.artifact_key(base, 1)["weights"]
+
+
+@pytest.mark.parametrize("flaw", ["group-writable", "symlinked lock"])
+def test_an_artifact_folder_others_could_write_is_not_used(built, flaw, tmp_path, monkeypatch):
+    """A group-writable artifact folder, or a build lock that is a symbolic link: the artifact is not loaded (one
+    warning), nothing is built there, and `generate(compile=True)` decodes eagerly, exact."""
+    from hf_bpd.runtime import background
+
+    cache, _, package = built
+    directory = package.parent
+    mode = directory.stat().st_mode
+    lock = directory / artifacts.LOCK
+    if flaw == "group-writable":
+        directory.chmod(mode | 0o020)
+    else:
+        lock.unlink(missing_ok=True)
+        lock.symlink_to(tmp_path / "elsewhere")
+    monkeypatch.setattr(artifacts, "_DISTRUSTED", set())
+    monkeypatch.setattr(background, "start_build", lambda *a, **k: pytest.fail("a build started in that folder"))
+    try:
+        base = saved_base(cache)
+        model = BlockwiseParallelForCausalLM.from_base(base, num_heads=2).eval()
+        ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(12))
+        kw = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+        with pytest.warns(UserWarning, match="no compiled step is used from") as caught:
+            out = model.generate(ids, compile=True, **kw)
+            again = model.generate(ids, compile=True, **kw)
+        assert len([w for w in caught if "no compiled step" in str(w.message)]) == 1
+        assert torch.equal(out, base.generate(ids, **kw)) and torch.equal(again, out)
+        assert model.last_generation_stats.verifier != "artifact"
+        with pytest.raises(OSError, match="not a cache folder of this user's"):
+            artifacts.build(base, 1)
+    finally:
+        directory.chmod(mode)
+        if lock.is_symlink():
+            lock.unlink()
+    assert artifacts.load(saved_base(cache), 1) is not None  # trusted again
+
+
+def test_an_empty_cache_variable_is_unset_and_clear_removes_only_artifact_folders(tmp_path, monkeypatch):
+    """`HF_BPD_CACHE=""` means the default cache, never the working directory; `--clear` removes only folders named
+    like artifacts, and none that a build holds."""
+    import fcntl
+
+    from hf_bpd.cli import main
+    from hf_bpd.hub.locate import cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_BPD_CACHE", "")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "artifacts" / "0123456789abcdef0123").mkdir(parents=True)  # the working directory's own files
+    assert cache_dir() == tmp_path / "home" / ".cache" / "hf_bpd"
+    root = cache_dir() / "artifacts"
+    for name in ("0123456789abcdef0123", "fedcba9876543210fedc", "notes"):
+        (root / name).mkdir(parents=True)
+    with artifacts.open_lock(root / "fedcba9876543210fedc") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a build under way
+        assert main(["compile", "--clear"]) == 0
+    assert (tmp_path / "artifacts" / "0123456789abcdef0123").is_dir()
+    assert sorted(p.name for p in root.iterdir()) == ["fedcba9876543210fedc", "notes"]

@@ -12,6 +12,7 @@ import difflib
 import os
 import re
 import socket
+import stat
 import threading
 import time
 from pathlib import Path
@@ -29,8 +30,48 @@ _probe: dict = {"at": 0.0, "reachable": None, "target": None}  # the last answer
 
 
 def cache_dir() -> Path:
-    """Where converted base models (and KenLM) live: `$HF_BPD_CACHE`, else `~/.cache/hf_bpd`."""
-    return Path(os.environ.get("HF_BPD_CACHE", Path.home() / ".cache" / "hf_bpd"))
+    """Where converted base models, artifacts, kernels and KenLM live: `$HF_BPD_CACHE` (an empty value counts as
+    unset), else `~/.cache/hf_bpd`."""
+    return Path(os.environ.get("HF_BPD_CACHE") or Path.home() / ".cache" / "hf_bpd")
+
+
+def trust_problem(path: Path) -> str | None:
+    """Why hf_bpd must not run native code or compiled steps from `path` (None when it may): `path` must lie in the
+    cache, and the cache folder and every folder or file from it down to `path` (and, for a folder, its entries)
+    must be owned by this user, writable by nobody else and no symbolic link. The cache is the trust boundary:
+    whoever can write there can run code in hf_bpd's processes."""
+    root, path = cache_dir(), Path(path)
+    try:
+        parts = path.relative_to(root).parts
+    except ValueError:
+        return f"{path} is not inside hf_bpd's cache {root}"
+    current, checked = root, []
+    for part in ("", *parts):
+        current = current / part if part else root
+        checked.append(current)
+    if path.is_dir() and not path.is_symlink():
+        checked += sorted(path.iterdir())
+    for number, item in enumerate(checked):
+        try:
+            info = os.stat(item) if number == 0 else os.lstat(item)  # the cache folder itself may be a link
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(info.st_mode):
+            return f"{item} is a symbolic link"
+        if info.st_uid != os.geteuid():
+            return f"{item} belongs to another user (uid {info.st_uid})"
+        if info.st_mode & 0o022:
+            return f"{item} is writable by group or others (mode {oct(info.st_mode & 0o777)})"
+    return None
+
+
+def trusted(path: Path) -> Path:
+    """`path`, after `trust_problem` found nothing wrong; else an OSError saying what (native code is then not
+    loaded: its callers fall back to their pure-PyTorch paths)."""
+    problem = trust_problem(path)
+    if problem is not None:
+        raise OSError(f"not loading {Path(path).name}: {problem}")
+    return Path(path)
 
 
 def hub_offline() -> bool:

@@ -104,6 +104,10 @@ def load_fast_path():
         path = fast_path_file()
         if not path.exists():
             return None
+        from ..hub.locate import trust_problem
+
+        if trust_problem(path) is not None:  # native code only from this user's own cache
+            return None
         lib = ctypes.CDLL(str(path))
         ptr, cint = ctypes.c_void_p, ctypes.c_int
         lib.bpd_ngram_load.argtypes = [ctypes.c_char_p, ctypes.c_char_p, cint]

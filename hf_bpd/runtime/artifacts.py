@@ -132,6 +132,29 @@ def artifacts_dir() -> Path:
     return cache_dir() / "artifacts"
 
 
+_DISTRUSTED: set[Path] = set()  # artifact folders this process has warned about (one line each)
+
+
+def distrusted(directory: Path) -> bool:
+    """Whether `directory` fails `hub.locate.trust_problem` (then nothing in it is loaded or built; one warning)."""
+    from ..hub.locate import trust_problem
+
+    problem = trust_problem(directory)
+    if problem is not None and directory not in _DISTRUSTED:
+        _DISTRUSTED.add(directory)
+        import warnings
+
+        warnings.warn(f"hf_bpd: no compiled step is used from {directory}: {problem} (decoding eagerly; fix the "
+                      "cache's ownership and permissions, or set HF_BPD_CACHE to a folder of your own)", stacklevel=4)
+    return problem is not None
+
+
+def open_lock(directory: Path):
+    """The folder's build lock file, opened for writing without following a symbolic link (`O_NOFOLLOW`)."""
+    fd = os.open(directory / LOCK, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return os.fdopen(fd, "w")
+
+
 def unsupported_reason(base) -> str | None:
     """Why an artifact cannot serve `base` (None when it can)."""
     reason = compile_unsupported_reason(base)
@@ -314,8 +337,10 @@ def build(base, threads: int | None = None, log=None, key: dict | None = None, g
     key = key or own
     directory = key_dir(key)
     package, record_file, failed = graph_files(directory, graph)
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / LOCK, "w") as lock:
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if distrusted(directory):
+        raise OSError(f"{directory} is not a cache folder of this user's (see the warning): nothing built there")
+    with open_lock(directory) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second builder waits here, then finds the artifact built
         if valid(directory, key, graph):
             return package
@@ -405,7 +430,7 @@ def load(base, threads: int | None = None, again: bool = False, graph: str = STE
     if unsupported_reason(base) is None:
         key = cached_key(base, threads)
         directory = key_dir(key)
-        if valid(directory, key, graph):
+        if directory.is_dir() and not distrusted(directory) and valid(directory, key, graph):
             artifact = Artifact(graph_files(directory, graph)[0], sliding_window_of(base))
     loaded[slot] = artifact
     return artifact
@@ -449,7 +474,23 @@ def listing() -> list[dict]:
 
 
 def clear() -> int:
-    """Remove every artifact; returns how many there were."""
-    count = len(list(artifacts_dir().glob("*/")))
-    shutil.rmtree(artifacts_dir(), ignore_errors=True)
-    return count
+    """Remove every artifact folder (named by its key's digest) that no one is building, each under its lock; leaves
+    anything else alone. Returns how many were removed."""
+    import fcntl
+    import re
+
+    root = artifacts_dir()
+    if not root.is_dir() or distrusted(root):
+        return 0
+    removed = 0
+    for folder in sorted(root.iterdir()):
+        if not re.fullmatch(r"[0-9a-f]{20}", folder.name) or folder.is_symlink() or not folder.is_dir():
+            continue
+        try:
+            with open_lock(folder) as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a build under way keeps its folder
+                shutil.rmtree(folder)
+                removed += 1
+        except OSError:
+            continue
+    return removed

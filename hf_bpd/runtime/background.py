@@ -54,7 +54,7 @@ def _lock_held(directory: Path) -> bool:
     import fcntl
 
     try:
-        with open(directory / artifacts.LOCK, "a") as lock:
+        with artifacts.open_lock(directory) as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -84,6 +84,8 @@ def ready_artifact(base, graph: str = artifacts.STEP):
         return artifact
     key = artifacts.cached_key(base)
     directory = artifacts.key_dir(key)
+    if artifacts.distrusted(directory if directory.is_dir() else artifacts.artifacts_dir()):
+        return None
     _, record, failed = artifacts.graph_files(directory, graph)
     told = (directory, graph)
     with _LOCK:
@@ -113,7 +115,7 @@ _MEANWHILE = {artifacts.STEP: "decoding eagerly",
 
 def start_build(base, key: dict, directory: Path, graph: str = artifacts.STEP) -> None:
     """Save `base`'s weights for the worker and start it, both off the calling thread (saving SmolLM2 takes ~1 s)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     if (directory, graph) not in _TOLD:
         _TOLD.add((directory, graph))
         logger.warning("hf_bpd: building %s for this machine in the background (%s, %d threads; log: %s); %s until "

@@ -51,17 +51,18 @@ def inlining_compiler() -> str | None:
         compiler = cpp_builder.get_cpp_compiler()
         if not cpp_builder._is_gcc(compiler):
             return None
-        from ..hub.locate import cache_dir
+        from ..hub.locate import cache_dir, trusted
 
         folder = cache_dir() / "toolchain"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / WRAPPER_NAME
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = trusted(folder) / WRAPPER_NAME
         script = f"#!/bin/sh\nexec {shlex.quote(compiler)} \"$@\" {' '.join(INLINE_FLAGS)}\n"
         if not path.is_file() or path.read_text() != script:
             partial = path.with_name(f"{WRAPPER_NAME}.{os.getpid()}.partial")
             partial.write_text(script)
             partial.chmod(partial.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
             os.replace(partial, path)
+        trusted(path)  # run only a script of this user's own
         subprocess.run([str(path), "--version"], check=True, capture_output=True, timeout=30)
         return str(path)
     except Exception as err:  # noqa: BLE001 - the default compiler still works, only slower for 5+ row blocks

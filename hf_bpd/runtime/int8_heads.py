@@ -103,7 +103,9 @@ def load_kernel():
     with _lock:
         if _library is None and _build_error is None:
             try:
-                lib = ctypes.CDLL(str(build_kernel()))
+                from ..hub.locate import trusted
+
+                lib = ctypes.CDLL(str(trusted(build_kernel())))
             except (OSError, RuntimeError) as error:
                 _build_error = str(error).splitlines()[0]
                 return None

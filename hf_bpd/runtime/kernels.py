@@ -65,7 +65,9 @@ def kernels_unsupported_reason() -> str | None:
                 _state["error"] = "this CPU has no AVX512-BF16 instructions"
             else:
                 try:
-                    torch.ops.load_library(str(_build()))
+                    from ..hub.locate import trusted
+
+                    torch.ops.load_library(str(trusted(_build())))
                     _register_fakes()
                     _state["loaded"] = True
                 except (OSError, RuntimeError) as error:
