@@ -8,7 +8,9 @@ import shutil
 
 import pytest
 import torch
+import transformers
 
+import hf_bpd
 from hf_bpd import BlockwiseParallelForCausalLM
 from hf_bpd.runtime import artifacts, background, build_worker
 from tests.test_artifacts import tiny_base
@@ -157,3 +159,30 @@ def test_the_worker_refuses_weights_that_are_not_the_keys(cache):
     assert build_worker.main(directory) == 1
     assert "not the one the key names" in (directory / artifacts.FAILED).read_text()
     assert not weights.exists() and not (directory / artifacts.PACKAGE).exists()
+
+
+def test_the_worker_imports_nothing_from_the_callers_directory_and_refuses_foreign_requests(tmp_path, monkeypatch):
+    """Started from a working directory that holds a `json.py`, the worker does not import it (it would leave a
+    marker); a request whose weight folder is not a `base-<pid>` folder is refused and recorded as the build's
+    failure, and so is a key of other versions than the worker's."""
+    import subprocess
+
+    monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path / "cache"))
+    caller = tmp_path / "caller"
+    caller.mkdir()
+    marker = tmp_path / "imported"
+    (caller / "json.py").write_text(f"open({str(marker)!r}, 'w').close()\nfrom _json import *\n")
+    key = {"format": artifacts.FORMAT, "hf_bpd": hf_bpd.__version__, "torch": torch.__version__,
+           "transformers": transformers.__version__}
+    directory = artifacts.key_dir(key)
+    directory.mkdir(parents=True)
+    request = directory / background.REQUEST.format(graph=artifacts.STEP)
+    request.write_text(json.dumps({**key, "weights_dir": "../../elsewhere"}))
+    done = subprocess.run(background.worker_command(directory, artifacts.STEP), cwd=caller, timeout=300,
+                          capture_output=True, text=True)
+    assert not marker.exists(), "the worker imported json.py from the caller's working directory"
+    assert done.returncode == 2, done.stdout + done.stderr
+    failure = artifacts.graph_files(directory, artifacts.STEP)[2].read_text()
+    assert failure == "refused: a weight folder named '../../elsewhere'\n" and not request.exists()
+    assert "this worker is" in build_worker.refusal({**key, "hf_bpd": "0.0.0"}, "base-1", directory)
+    assert build_worker.refusal(key, "base-1", directory) is None

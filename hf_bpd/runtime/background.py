@@ -113,6 +113,13 @@ _MEANWHILE = {artifacts.STEP: "decoding eagerly",
               artifacts.EIGHT_TOKENS: "blocks of 8 tokens run on the compiled step"}
 
 
+def worker_command(directory: Path, graph: str) -> list[str]:
+    """The build worker's command line. `-P` (and the artifact folder as its working directory): the worker imports
+    hf_bpd's installed code only, never a module that happens to lie in the caller's working directory."""
+    return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "hf_bpd.runtime.build_worker",
+            str(directory), graph]
+
+
 def start_build(base, key: dict, directory: Path, graph: str = artifacts.STEP) -> None:
     """Save `base`'s weights for the worker and start it, both off the calling thread (saving SmolLM2 takes ~1 s)."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -138,7 +145,7 @@ def start_build(base, key: dict, directory: Path, graph: str = artifacts.STEP) -
             group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
             with open(directory / "build.log", "ab") as log:
                 _WORKERS[directory] = subprocess.Popen(
-                    [sys.executable, "-m", "hf_bpd.runtime.build_worker", str(directory), graph],
+                    worker_command(directory, graph), cwd=directory,
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, **group,
                     env={**os.environ, "OMP_NUM_THREADS": str(key["threads"]), "TORCHINDUCTOR_COMPILE_THREADS": "1"})
         except Exception as error:  # noqa: BLE001 - the caller decodes eagerly whatever happens here

@@ -25,8 +25,16 @@ def main(directory: Path, graph: str = artifacts.STEP) -> int:
     request_file = directory / REQUEST.format(graph=graph)
     failed = artifacts.graph_files(directory, graph)[2]
     request = json.loads(request_file.read_text())
-    weights = directory / request.pop("weights_dir")
+    weights_name = str(request.pop("weights_dir", ""))
     key = request
+    problem = refusal(key, weights_name, directory)
+    if problem is not None:
+        failed.write_text(f"refused: {problem}\n")
+        print(f"refused: {problem}", flush=True)
+        request_file.unlink(missing_ok=True)
+        return 2
+    idle_priority()  # after the checks (a refused request ends at once), before any thread starts
+    weights = directory / weights_name
     torch.set_num_threads(key["threads"])
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     print(f"{stamp} building {directory.name} {graph} ({key['cpu']}, {key['threads']} threads, {key['dtype']})",
@@ -54,9 +62,35 @@ def main(directory: Path, graph: str = artifacts.STEP) -> int:
     return 0
 
 
+def refusal(key: dict, weights_name: str, directory: Path) -> str | None:
+    """Why this worker will not build the request (None when it will): a weight folder named otherwise than the
+    callers name it (`base-<pid>`, inside the artifact folder), a key of another format or of other hf_bpd, torch
+    or transformers versions than the worker's own, or a folder that is not the key's own."""
+    import re
+
+    import transformers
+
+    from .. import __version__
+
+    if not re.fullmatch(r"base-[0-9]+", weights_name):
+        return f"a weight folder named {weights_name!r}"
+    mine = {"format": artifacts.FORMAT, "hf_bpd": __version__, "torch": torch.__version__,
+            "transformers": transformers.__version__}
+    theirs = {name: key.get(name) for name in mine}
+    if theirs != mine:
+        return f"a request for {theirs}, this worker is {mine}"
+    if artifacts.key_dir(key).resolve() != directory.resolve():
+        return "the key names another artifact folder"
+    return None
+
+
 def idle_priority() -> None:
     """This process at idle CPU priority (before it starts threads: Linux applies both per thread)."""
     os.nice(19)
+    try:  # when memory runs out, the kernel ends this build first, not the caller
+        Path("/proc/self/oom_score_adj").write_text("1000")
+    except OSError:
+        pass
     if hasattr(os, "sched_setscheduler"):  # Linux: CPU time only when nothing else wants it
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
@@ -65,5 +99,4 @@ def idle_priority() -> None:
 
 
 if __name__ == "__main__":
-    idle_priority()
     sys.exit(main(Path(sys.argv[1]), *sys.argv[2:3]))
