@@ -8,7 +8,7 @@ of 8 alternating 11-call medians): 16 rows 89.5 ms with 8 x 8 against 106.1 with
 8 rows 58.1 against 70.3, 2 rows 30.6 against 36.1, 4 rows 41.7 against 39.7 and 1 row 31.2 against 31.7 (within
 the rounds' spread). The logits were equal bit for bit: the block changes which outputs a kernel call computes, not
 the order of any sum. In graphs whose block length is dynamic (the artifact's step, tuned for 8 tokens) 8 x 8 did not
-pay (docs/performance.md#batches), so only the graphs beside it get it (`batch_step_block`): the batch steps of one
+pay (docs/performance.md#compiled-steps), so only the graphs beside it get it (`batch_step_block`): the batch steps of one
 and two tokens a row, and the eight-token step, whose 8 rows are static (32.2 ms against 41.1 on the step).
 
 inductor has no option for the register block, so while the graph compiles (inside `register_block` only) its list
