@@ -29,7 +29,7 @@ from .runtime.int8_weights import quantize_int8_weights, split_int8_weights
 from .hub.bundled import (attach_rescorer, bundle_fields, inside, load_bundled, load_feature_drafter,
                           load_heads_config, merge_base_adapter)
 from .hub.base_models import check_causal_lm, check_fingerprint, fingerprint, load_base_model
-from .hub.checkpoints import load_heads_state, push_saved, resolve_checkpoint_dir, save_checkpoint
+from .hub.checkpoints import check_heads_header, load_heads_state, push_saved, resolve_checkpoint_dir, save_checkpoint
 
 logger = logging.get_logger(__name__)
 
@@ -123,6 +123,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
                                           ("quantization_config", quantization_config)) if v is not None}
         directory = resolve_checkpoint_dir(pretrained_model_name_or_path, kwargs)
         config = config if config is not None else load_heads_config(directory)
+        check_heads_header(directory, config)  # before the base loads or any head is allocated
         if base_model is None:
             if not config.base_model_name_or_path:
                 raise BaseModelError("the checkpoint names no base model: pass base_model=... to from_pretrained")

@@ -286,3 +286,22 @@ def test_bad_head_settings_through_from_base():
         BlockwiseParallelForCausalLM.from_base(tiny_base("llama"), head_type="lstm")
     with pytest.raises(hf_bpd.BPDConfigError, match="outside the base vocabulary"):
         BlockwiseParallelForCausalLM.from_base(tiny_base("llama"), draft_vocab=[0, VOCAB + 5])
+
+
+def test_a_config_asking_for_huge_heads_fails_at_once_before_the_base_loads(tmp_path, monkeypatch):
+    """The heads' sizes are checked against the safetensors header before anything is allocated or the base is
+    loaded: 10^9-wide heads (a 10^14-parameter allocation) fail in under a second with one line."""
+    import time
+
+    from hf_bpd import modeling
+
+    base = tiny_base("llama")
+    BlockwiseParallelForCausalLM.from_base(base, num_heads=2, head_type="ffn").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["head_intermediate_size"] = 10 ** 9
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(modeling, "load_base_model", lambda *a, **k: pytest.fail("the base was loaded first"))
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match="disagrees with its config.json") as err:
+        BlockwiseParallelForCausalLM.from_pretrained(tmp_path)
+    assert time.perf_counter() - start < 1.0 and _one_line(err)

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..errors import BaseModelError, BPDError, CheckpointError
@@ -42,6 +42,37 @@ def resolve_checkpoint_dir(name_or_path: str | os.PathLike, hub_kwargs: dict) ->
             f"could not find heads {name_or_path!r} locally or on the Hub ({type(err).__name__}): pass a local "
             "directory written by save_pretrained"
         ) from None
+
+
+def check_heads_header(directory: Path, config) -> None:
+    """Compare the heads `config` describes with the tensors `heads.safetensors` holds, from the file's header only
+    and before anything is allocated or the base is loaded: a config that asks for other (say huge) heads than the
+    weights hold fails here in milliseconds, with one line."""
+    from ..heads import DraftHeads
+
+    path = directory / HEADS_WEIGHTS_NAME
+    if not path.exists():
+        return  # `load_heads_state` says what is missing
+    try:
+        with safe_open(str(path), "pt") as f:
+            stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is corrupt or not a safetensors file ({str(err).splitlines()[0]}): "
+                              "save the heads again with model.save_pretrained(dir)") from None
+    config.validate_heads()
+    with torch.device("meta"):  # shapes only: nothing is allocated, whatever the config says
+        hidden, vocab = int(config.hidden_size), int(config.vocab_size)
+        heads = DraftHeads(config, torch.nn.Linear(hidden, vocab, bias=False), torch.nn.Embedding(vocab, hidden))
+    expected = {k: tuple(v.shape) for k, v in heads.state_dict().items()}
+    if config.draft_vocab is not None:  # an older layout: the draft vocabulary in config.json
+        stored.setdefault("draft_vocab", (len(config.draft_vocab),))
+    wrong = sorted(k for k in expected if k in stored and stored[k] != expected[k])
+    missing, unexpected = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
+    if wrong or missing or unexpected:
+        detail = (f"shape of {wrong[0]} is {stored[wrong[0]]}, config says {expected[wrong[0]]}" if wrong
+                  else f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}")
+        raise CheckpointError(f"{path} disagrees with its config.json ({detail}): the config and weights were not "
+                              "saved together; save them again with model.save_pretrained(dir)")
 
 
 def load_heads_state(directory: Path, heads, legacy_draft_vocab: list[int] | None = None) -> dict[str, torch.Tensor]:
