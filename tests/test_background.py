@@ -151,7 +151,7 @@ def test_the_worker_refuses_weights_that_are_not_the_keys(cache):
     base = tiny_base(seed=7)
     key = artifacts.cached_key(base)
     directory = artifacts.key_dir(key)
-    weights = directory / "base-test"
+    weights = directory / "base-1"
     weights.mkdir(parents=True)
     tiny_base(seed=8).save_pretrained(weights)
     request = directory / background.REQUEST.format(graph=artifacts.STEP)
