@@ -237,17 +237,19 @@ def test_rescored_methods_run_when_a_rescorer_is_bundled(loaded, tmp_path):
     assert widest["ar"] == 0 and widest["bpd+ngram"] <= 3 < widest["pbest-ngram"] <= widest["tree+ngram"] <= 12
 
 
-@pytest.mark.parametrize("method", ["pld", "early-exit"])
-def test_assisted_serial_calls_are_full_depth_base_forwards(loaded, method):
-    """pld / early-exit statistics (recorded with module hooks) agree with an independent forward hook on the base."""
+@pytest.mark.parametrize("method", ["pld", "early-exit", "assisted"])
+def test_assisted_serial_calls_are_full_depth_base_forwards(checkpoint, loaded, method):
+    """pld / early-exit / assisted statistics (recorded with module hooks) agree with an independent forward hook on
+    the base (the assistant's own forwards are not the base's)."""
     model, tokenizer = loaded
     base = model.base_lm
     full = base.config.num_hidden_layers
     depths = []
+    decoders = default_decoders(BenchOptions(assistant=str(checkpoint[0])))  # the base itself as its assistant
     hook = base.register_forward_pre_hook(lambda module, args: depths.append(base.model.config.num_hidden_layers))
     try:
         inputs = encode_messages(tokenizer, [{"role": "user", "content": "Count: one two three one two three"}])
-        out, stats = default_decoders()[method](model, inputs, 16)
+        out, stats = decoders[method](model, inputs, 16)
     finally:
         hook.remove()
     assert stats.serial_calls == depths.count(full) and stats.serial_calls >= 1
@@ -257,6 +259,96 @@ def test_assisted_serial_calls_are_full_depth_base_forwards(loaded, method):
     assert all(a >= 0 for a in stats.accepted_lengths)
     # the recorder's hooks are removed afterwards (only the test's own was still there)
     assert not base._forward_pre_hooks and not base.model.layers[-1]._forward_hooks
+
+
+def save_tiny_assistant(path, tokenizer, seed, extra_vocab=0):
+    """A 1-layer random Llama with SmolLM2's tokenizer (its config's vocabulary padded by `extra_vocab` rows)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer) + extra_vocab, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_assisted_with_a_tiny_assistant_reproduces_ar(checkpoint, loaded, tmp_path):
+    """transformers' assisted generation with a separate draft model, passed by path: token-identical to ar through
+    the bench's own check, for an assistant that drafts the base's tokens (the base itself), a random one and one whose
+    config pads the vocabulary; the assistant is loaded once per registry."""
+    model, tokenizer = loaded
+    questions = load_questions(write_questions(tmp_path / "q.jsonl", QUESTIONS[:2]))
+    for name, agrees in ((str(checkpoint[0]), True), (save_tiny_assistant(tmp_path / "a1", tokenizer, 1), False),
+                         (save_tiny_assistant(tmp_path / "a2", tokenizer, 2, extra_vocab=64), False)):
+        decoders = default_decoders(BenchOptions(assistant=name))
+        report = run_bench(model, tokenizer, questions, ["assisted"], decoders, max_new_tokens=12, warmup=0,
+                           progress=False)
+        assert report["methods"] == ["ar", "assisted"] and report["skipped"] == {}, report["skipped"]
+        assert all(s["exact"] for s in report["samples"]) and all(r["exact"] for r in report["summary"])
+        mine = [s for s in report["samples"] if s["method"] == "assisted"]
+        assert len(mine) == 2
+        for sample in mine:
+            assert 1 <= sample["serial_calls"] <= sample["new_tokens"]
+            assert sample["new_tokens"] == sample["serial_calls"] + sum(sample["accepted_lengths"])
+        row = next(r for r in report["summary"] if r["method"] == "assisted")
+        # the base's own weights draft tokens the base accepts: fewer serial calls than new tokens
+        assert (row["serial_calls"] < row["new_tokens"]) == agrees
+        assistant = decoders["assisted"].keywords["assistant"]
+        loaded_once = assistant.model
+        assert loaded_once is not None and loaded_once.dtype == model.dtype
+        decoders["assisted"](model, encode_messages(tokenizer, [{"role": "user", "content": "Hi"}]), 4)
+        assert assistant.model is loaded_once
+
+
+def test_assisted_without_an_assistant_is_skipped_with_a_note(loaded, tmp_path):
+    model, tokenizer = loaded
+    questions = load_questions(write_questions(tmp_path / "q.jsonl", QUESTIONS[1:2]))
+    report = run_bench(model, tokenizer, questions, ["assisted"], max_new_tokens=4, progress=False)
+    assert report["methods"] == ["ar"] and list(report["skipped"]) == ["assisted"]
+    assert report["skipped"]["assisted"].startswith("no assistant model: pass --assistant-model NAME")
+    assert "`assisted`: no assistant model" in markdown_report(report)
+    decoders = default_decoders(BenchOptions(assistant=str(tmp_path / "missing")))  # run_bench is given a bad name
+    report = run_bench(model, tokenizer, questions, ["assisted"], decoders, max_new_tokens=4, progress=False)
+    reason = report["skipped"]["assisted"]
+    assert reason.startswith(f"assistant model {tmp_path / 'missing'}: ") and "no directory there" in reason
+    assert "\n" not in reason and report["methods"] == ["ar"]
+
+
+def test_cli_bench_assisted_checks_the_assistant_model_before_loading_anything(checkpoint, tmp_path, capsys, monkeypatch):
+    """`hf-bpd bench --assistant-model /no/such/dir`: exit 2 and one line, before any model is loaded; a real one
+    runs the assisted method (added to the default methods) and is named in the report's settings."""
+    import hf_bpd.cli.bench as cli_bench
+    from hf_bpd.cli import main
+
+    questions = str(write_questions(tmp_path / "q.jsonl", QUESTIONS[1:2]))
+    argv = ["bench", "--model", str(checkpoint[1]), "--questions", questions, "--threads", "1", "--no-progress",
+            "--max-new-tokens", "6", "--warmup", "0"]
+    setup = cli_bench._setup
+
+    def no_model(args):
+        raise AssertionError("a model was loaded before --assistant-model was checked")
+
+    monkeypatch.setattr(cli_bench, "_setup", no_model)
+    assert main(argv + ["--assistant-model", "/no/such/dir", "--methods", "ar,assisted"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("hf-bpd: error: could not load assistant model '/no/such/dir'")
+    assert main(argv + ["--assistant-model", str(checkpoint[0]), "--batch-size", "1"]) == 2
+    assert "not --batch-size" in capsys.readouterr().err
+
+    monkeypatch.setattr(cli_bench, "_setup", setup)
+    out = tmp_path / "bench.json"
+    assert main(argv + ["--assistant-model", str(checkpoint[0]), "--methods", "assisted", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["assistant_model"] == str(checkpoint[0]) and report["methods"] == ["ar", "assisted"]
+    assert all(s["exact"] for s in report["samples"])
+    assert "| assisted |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # the flag is documented in `hf-bpd bench --help`
+        main(["bench", "--help"])
+    assert "--assistant-model NAME" in capsys.readouterr().out
 
 
 def test_method_names_do_not_follow_the_checkpoints_own_defaults(checkpoint):

@@ -22,10 +22,13 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     _int_list(args.tree, "--tree")
     _locate(args.model)
+    _locate(args.assistant_model, "assistant model")  # before anything heavy is loaded, as --model
     _questions(args)  # a bad prompt file fails before the model is loaded
     from ..evaluation import batch_bench, bench
 
     if args.batch_size is not None:
+        if args.assistant_model is not None:
+            raise ValueError("--assistant-model is for the method table (the assisted method), not --batch-size")
         sizes = _int_list(args.batch_size, "--batch-size", "1,4,16")
         if not sizes or min(sizes) < 1 or max(sizes) > 64:
             raise ValueError(f"--batch-size takes batch sizes from 1 to 64, got {args.batch_size!r}")
@@ -52,9 +55,11 @@ def cmd_bench(args) -> int:
     options = bench.BenchOptions(tree_widths=tuple(_int_list(args.tree, "--tree")), num_drafts=args.num_drafts,
                                  draft_top_k=args.draft_top_k, pld_tokens=args.pld_tokens,
                                  early_exit_layer=args.early_exit_layer, num_heads_to_use=args.num_heads_to_use,
-                                 draft_nodes=args.draft_nodes, gguf=args.gguf)
+                                 draft_nodes=args.draft_nodes, gguf=args.gguf, assistant=args.assistant_model)
     decoders = bench.default_decoders(options)
-    methods = bench.parse_methods(args.methods or ",".join(bench.DEFAULT_METHODS), list(decoders))
+    # an assistant without --methods: the default methods and the assisted one
+    default = bench.DEFAULT_METHODS + (("assisted",) if args.assistant_model else ())
+    methods = bench.parse_methods(args.methods or ",".join(default), list(decoders))
     questions = _questions(args)
     _writable_file(args.output)
     _writable_dir(args.plot)
@@ -73,7 +78,7 @@ def cmd_bench(args) -> int:
                      "draft_nodes": options.draft_nodes,
                      "draft_top_k": options.draft_top_k, "pld_tokens": options.pld_tokens,
                      "num_heads_to_use": options.num_heads_to_use,
-                     "early_exit_layer": options.early_exit_layer},
+                     "early_exit_layer": options.early_exit_layer, "assistant_model": options.assistant},
         "machine": bench.machine_info(),
         **report,
     }
@@ -192,9 +197,9 @@ def add_parsers(sub, command) -> None:
         "transformers) are listed as skipped. --output writes every per-prompt figure as JSON.")
     _add_common(bench)
     bench.add_argument("--methods", default=None,
-                       help="comma-separated methods: ar, llama.cpp, pld, early-exit, default, default-fixed, "
-                            "default-switch, pbest, pbest-ngram, tree, tree+ngram, "
-                            "pbest-ngram+lookup[-nodes][-compiled], ar-compiled, and "
+                       help="comma-separated methods: ar, llama.cpp, pld, early-exit, assisted (needs "
+                            "--assistant-model), default, default-fixed, default-switch, pbest, pbest-ngram, tree, "
+                            "tree+ngram, pbest-ngram+lookup[-nodes][-compiled], ar-compiled, and "
                             "bpd[+RESCORER][+lookup][-compiled][-cost|-switch] (ar always runs) "
                             f"(default: {','.join(BENCH_DEFAULT_METHODS)}); with --batch-size: "
                             "ar, ar-compiled, ar-artifact, bpd, bpd-compiled (default: all five)")
@@ -216,6 +221,12 @@ def add_parsers(sub, command) -> None:
     bench.add_argument("--gguf", default=None, metavar="FILE.gguf",
                        help="the GGUF llama.cpp decodes for the llama.cpp method (default: the packaged base's; the "
                             "method needs the optional llama-cpp-python, else it is skipped)")
+    bench.add_argument("--assistant-model", default=None, metavar="NAME",
+                       help="the draft model of the assisted method (transformers' assisted generation, "
+                            "generate(assistant_model=...), greedy): a local directory, packaged alias or Hub id of a "
+                            "small model with the base's tokenizer, e.g. qwen2.5-coder-0.5b-instruct for a "
+                            "Qwen2.5-Coder base; loaded once, in the base's dtype; adds assisted to the default "
+                            "methods (default: none, and assisted is skipped with a note)")
     bench.add_argument("--warmup", type=int, default=1, help="uncounted warm-up generations per method")
     bench.add_argument("--rounds", type=int, default=1,
                        help="with --batch-size: timed passes over the batches, the methods' order rotating from call "

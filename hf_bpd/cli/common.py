@@ -142,12 +142,13 @@ def _check_drafting_flags(args) -> None:
                              "(docs/reliability.md: Ceilings)")
 
 
-def _locate(name: str | None) -> None:
-    """Fail in one line, before torch is imported, when `--model` cannot be found (`hf_bpd.hub.locate`)."""
+def _locate(name: str | None, what: str = "model") -> None:
+    """Fail in one line, before torch is imported, when `--model` (or another model flag, named `what` in the
+    message) cannot be found (`hf_bpd.hub.locate`)."""
     if name is not None:
         from ..hub.locate import locate
 
-        locate(name, "model")
+        locate(name, what)
 
 
 def _int_list(text: str, what: str, example: str = "4,2,2,1") -> list[int]:

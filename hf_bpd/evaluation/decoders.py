@@ -9,6 +9,7 @@ registry of the methods below; `hf_bpd.evaluation.bench.run_bench(..., decoders=
 | `llama.cpp` | llama.cpp's plain greedy decoding of the base's GGUF (`llama-cpp-python`, optional; `hf_bpd.evaluation.llama_cpp`) |
 | `pld` | transformers' prompt lookup decoding (`prompt_lookup_num_tokens`) on the base |
 | `early-exit` | transformers' self-speculation (`assistant_early_exit`) on the base |
+| `assisted` | transformers' assisted generation: a small draft model, `--assistant-model` (`Assistant`) |
 | `bpd` | blockwise parallel decoding, argmax (chain) drafts |
 | `bpd+ngram`, `bpd+neural` | one draft from the lattice rescored by the checkpoint's bundled rescorer |
 | `pbest` | `--num-drafts` best lattice paths under the heads alone ("p-best 0-gram"), verified as a tree |
@@ -24,9 +25,10 @@ registry of the methods below; `hf_bpd.evaluation.bench.run_bench(..., decoders=
 | `default-fixed`, `default-cost`, `default-switch` | the checkpoint's defaults with `draft_schedule="fixed"` (every step drafts), `"cost"` or `"switch"` |
 | `default-fp32-heads` | the same with `heads_int8=False`: the heads step reads the heads' own fp32 weights |
 
-Serial calls: `GenerationStats` counts them for BPD; for `ar` they are the new tokens; for `pld`/`early-exit` they are
-the verification passes of transformers' assisted loop (one full-depth base forward each), recorded with public
-module hooks on the base (no method of transformers is replaced); their drafting time is not separated.
+Serial calls: `GenerationStats` counts them for BPD; for `ar` they are the new tokens; for `pld`/`early-exit`/`assisted`
+they are the verification passes of transformers' assisted loop (one full-depth base forward each), recorded with
+public module hooks on the base (no method of transformers is replaced; the assistant's own forwards are not the
+base's, so they are not counted); their drafting time is not separated.
 
 """
 
@@ -62,6 +64,7 @@ class BenchOptions:
     num_heads_to_use: int | None = None  # chain methods draft with the first heads only (None: the checkpoint's)
     draft_nodes: int = 15  # the -nodes methods: draft tokens per verification, filled best-first
     gguf: str | None = None  # the llama.cpp method's GGUF file (None: the packaged base's)
+    assistant: str | None = None  # the assisted method's draft model, a name for `hf_bpd.load_base` (None: skipped)
 
 
 
@@ -139,6 +142,60 @@ def decode_assisted(model, inputs: dict, max_new_tokens: int, method: str = "ass
     return out, stats
 
 
+class Assistant:
+    """The `assisted` method's draft model: `name` (a local directory, packaged alias or Hub id, as for
+    `hf_bpd.load_base`) is loaded on first use in the base's dtype and on its device, then kept for the bench run."""
+
+    def __init__(self, name: str | None):
+        self.name = name
+        self.model = None
+        self._tokenizer = None
+
+    def for_base(self, base):
+        """The assistant, in `base`'s dtype and on its device."""
+        if self.name is None:
+            raise MethodSkipped("no assistant model: pass --assistant-model NAME (a small model with the base's "
+                                "tokenizer, e.g. qwen2.5-coder-0.5b-instruct for a Qwen2.5-Coder base)")
+        if self.model is None:
+            from ..hub.base_models import load_base_model
+
+            try:
+                self.model = load_base_model(self.name, dtype=base.dtype)
+            except (OSError, ValueError) as err:  # hf_bpd's BaseModelError is a ValueError
+                raise MethodSkipped(f"assistant model {self.name}: {str(err).strip().splitlines()[0]}") from err
+        if (self.model.dtype, self.model.device) != (base.dtype, base.device):
+            self.model.to(device=base.device, dtype=base.dtype)
+        return self.model
+
+    def tokenizer(self):
+        """The assistant's tokenizer (loaded on first use)."""
+        if self._tokenizer is None:
+            from ..hub.base_models import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.name)
+        return self._tokenizer
+
+
+def decode_assistant_model(model, inputs: dict, max_new_tokens: int, assistant: Assistant):
+    """The base's greedy `generate(assistant_model=...)`: transformers' speculative decoding with a separate draft
+    model. Where the two configs' vocabulary sizes differ (a padded embedding) transformers wants both tokenizers: the
+    assistant's serves for both, since the method needs the base's tokenizer. What transformers refuses is skipped."""
+    base = base_of(model)
+    helper = assistant.for_base(base)
+    sizes = [m.config.get_text_config().vocab_size for m in (base, helper)]
+    try:
+        extra = {} if sizes[0] == sizes[1] else {"tokenizer": assistant.tokenizer(),
+                                                 "assistant_tokenizer": assistant.tokenizer()}
+        return decode_assisted(model, inputs, max_new_tokens, method="assisted", assistant_model=helper, **extra)
+    except MethodSkipped:
+        raise
+    except Exception as err:  # noqa: BLE001 - an assistant transformers cannot use is a note, not a crash
+        vocab = "" if sizes[0] == sizes[1] else f" (vocabulary {sizes[1]} against the base's {sizes[0]})"
+        reason = (str(err).strip().splitlines() or [""])[0]
+        raise MethodSkipped(f"transformers' assisted generation with {assistant.name}{vocab} failed: "
+                            f"{type(err).__name__}: {reason}") from err
+
+
 def decode_early_exit(model, inputs: dict, max_new_tokens: int, layer: int | None = None):
     base = base_of(model)
     layers = getattr(base.config.get_text_config(), "num_hidden_layers", None)
@@ -193,6 +250,7 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
         "ar": decode_ar,
         "pld": p(decode_assisted, method="pld", prompt_lookup_num_tokens=o.pld_tokens),
         "early-exit": p(decode_early_exit, layer=o.early_exit_layer),
+        "assisted": p(decode_assistant_model, assistant=Assistant(o.assistant)),  # loaded once, on first use
         "llama.cpp": p(decode_llama_cpp, gguf=o.gguf),
     }
     # Chain BPD in every combination: rescorer (+NAME), prompt-lookup path (+lookup), compiled verification
