@@ -122,8 +122,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         load_options = {k: v for k, v in (("device_map", device_map), ("attn_implementation", attn_implementation),
                                           ("quantization_config", quantization_config)) if v is not None}
         directory = resolve_checkpoint_dir(pretrained_model_name_or_path, kwargs)
-        config = config if config is not None else load_heads_config(directory)
-        check_heads_header(directory, config)  # before the base loads or any head is allocated
+        config = check_heads_header(directory, config if config is not None else load_heads_config(directory))
         if base_model is None:
             if not config.base_model_name_or_path:
                 raise BaseModelError("the checkpoint names no base model: pass base_model=... to from_pretrained")

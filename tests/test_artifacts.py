@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hf_bpd import BlockwiseParallelForCausalLM
-from hf_bpd.runtime import artifacts
+from hf_bpd.runtime import artifacts, cache_files
 from hf_bpd.runtime.compiled import ArtifactRunner, _RUNNERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -684,7 +684,7 @@ def test_an_artifact_folder_others_could_write_is_not_used(built, flaw, tmp_path
     else:
         lock.unlink(missing_ok=True)
         lock.symlink_to(tmp_path / "elsewhere")
-    monkeypatch.setattr(artifacts, "_DISTRUSTED", set())
+    monkeypatch.setattr(cache_files, "_DISTRUSTED", set())
     monkeypatch.setattr(background, "start_build", lambda *a, **k: pytest.fail("a build started in that folder"))
     try:
         base = saved_base(cache)

@@ -4,7 +4,10 @@ decodes eagerly while a worker process builds one (one tiny AOTInductor build, ~
 
 import json
 import logging
+import os
 import shutil
+import subprocess
+import threading
 
 import pytest
 import torch
@@ -154,9 +157,9 @@ def test_the_worker_refuses_weights_that_are_not_the_keys(cache):
     weights = directory / "base-1"
     weights.mkdir(parents=True)
     tiny_base(seed=8).save_pretrained(weights)
-    request = directory / background.REQUEST.format(graph=artifacts.STEP)
+    request = directory / background.REQUEST.format(graph=artifacts.STEP, pid=1)
     request.write_text(json.dumps({**key, "weights_dir": weights.name}))
-    assert build_worker.main(directory) == 1
+    assert build_worker.main(directory, artifacts.STEP, request.name) == 1
     assert "not the one the key names" in (directory / artifacts.FAILED).read_text()
     assert not weights.exists() and not (directory / artifacts.PACKAGE).exists()
 
@@ -165,8 +168,6 @@ def test_the_worker_imports_nothing_from_the_callers_directory_and_refuses_forei
     """Started from a working directory that holds a `json.py`, the worker does not import it (it would leave a
     marker); a request whose weight folder is not a `base-<pid>` folder is refused and recorded as the build's
     failure, and so is a key of other versions than the worker's."""
-    import subprocess
-
     monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path / "cache"))
     caller = tmp_path / "caller"
     caller.mkdir()
@@ -176,9 +177,9 @@ def test_the_worker_imports_nothing_from_the_callers_directory_and_refuses_forei
            "transformers": transformers.__version__}
     directory = artifacts.key_dir(key)
     directory.mkdir(parents=True)
-    request = directory / background.REQUEST.format(graph=artifacts.STEP)
+    request = directory / background.REQUEST.format(graph=artifacts.STEP, pid=1)
     request.write_text(json.dumps({**key, "weights_dir": "../../elsewhere"}))
-    done = subprocess.run(background.worker_command(directory, artifacts.STEP), cwd=caller, timeout=300,
+    done = subprocess.run(background.worker_command(directory, artifacts.STEP, request.name), cwd=caller, timeout=300,
                           capture_output=True, text=True)
     assert not marker.exists(), "the worker imported json.py from the caller's working directory"
     assert done.returncode == 2, done.stdout + done.stderr
@@ -186,3 +187,40 @@ def test_the_worker_imports_nothing_from_the_callers_directory_and_refuses_forei
     assert failure == "refused: a weight folder named '../../elsewhere'\n" and not request.exists()
     assert "this worker is" in build_worker.refusal({**key, "hf_bpd": "0.0.0"}, "base-1", directory)
     assert build_worker.refusal(key, "base-1", directory) is None
+    assert build_worker.main(directory, artifacts.STEP, "../request-step-1.json") == 2  # a foreign request file
+    assert "refused: a request file named" in artifacts.graph_files(directory, artifacts.STEP)[2].read_text()
+
+
+def test_a_killed_worker_is_cleaned_up_after_and_a_second_death_is_recorded(cache, caplog):
+    """A worker SIGKILLed mid-build (as the OOM killer does) leaves its weight copy and request; the next process to
+    look claims the lock, removes them and starts again; after the second death the build is recorded as failed and
+    not started a third time (one line), and calls stay exact and eager throughout."""
+    import signal
+
+    base, model = drafted(seed=13)
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(13))
+    want = base.generate(ids, **GREEDY)
+    directory = artifacts.key_dir(artifacts.cached_key(base))
+    for death in (1, 2):
+        background._TOLD.clear()  # a new process, as far as announcements go
+        assert torch.equal(model.generate(ids, compile=True, **GREEDY), want)
+        started = background._WORKERS[directory]
+        if isinstance(started, threading.Thread):
+            started.join(60)  # the weight copy is saved and the worker started
+        worker = background._WORKERS[directory]
+        assert isinstance(worker, subprocess.Popen) and background.building(directory)
+        assert (directory / background.ATTEMPTS.format(graph=artifacts.STEP)).read_text() == str(death)
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(60)
+        assert [p for p in directory.iterdir() if p.name.startswith((f"{background.WEIGHTS}-", "request-"))]
+        del background._WORKERS[directory]  # the next process knows nothing of it
+    assert not background.building(directory)
+    background._TOLD.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_bpd"):
+        assert torch.equal(model.generate(ids, compile=True, **GREEDY), want)
+        assert torch.equal(model.generate(ids, compile=True, **GREEDY), want)
+    assert directory not in background._WORKERS
+    assert "died 2 times" in (directory / artifacts.FAILED).read_text()
+    assert not [p for p in directory.iterdir() if p.name.startswith((f"{background.WEIGHTS}-", "request-"))]
+    lines = [line for line in background_lines(caplog) if "died 2 times" in line]
+    assert len(lines) == 1

@@ -44,15 +44,15 @@ def resolve_checkpoint_dir(name_or_path: str | os.PathLike, hub_kwargs: dict) ->
         ) from None
 
 
-def check_heads_header(directory: Path, config) -> None:
+def check_heads_header(directory: Path, config):
     """Compare the heads `config` describes with the tensors `heads.safetensors` holds, from the file's header only
     and before anything is allocated or the base is loaded: a config that asks for other (say huge) heads than the
-    weights hold fails here in milliseconds, with one line."""
+    weights hold fails here in milliseconds, with one line. Returns `config`."""
     from ..heads import DraftHeads
 
     path = directory / HEADS_WEIGHTS_NAME
     if not path.exists():
-        return  # `load_heads_state` says what is missing
+        return config  # `load_heads_state` says what is missing
     try:
         with safe_open(str(path), "pt") as f:
             stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -73,6 +73,7 @@ def check_heads_header(directory: Path, config) -> None:
                   else f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}")
         raise CheckpointError(f"{path} disagrees with its config.json ({detail}): the config and weights were not "
                               "saved together; save them again with model.save_pretrained(dir)")
+    return config
 
 
 def load_heads_state(directory: Path, heads, legacy_draft_vocab: list[int] | None = None) -> dict[str, torch.Tensor]:

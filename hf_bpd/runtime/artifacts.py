@@ -1,50 +1,26 @@
 """Compiled verification steps that outlive the process: built once per machine, loaded in seconds.
 
-`torch.compile`'s caches cannot hold a frozen graph (AOTAutograd refuses to cache one), so every new process traced,
-froze and autotuned the verification step again (~2-4 min for SmolLM2 on 2 cores). Here the step is exported once
-(`torch.export`) and compiled ahead of time with AOTInductor (`aoti_compile_and_package`, the same inductor options:
-freezing, the CPP GEMM templates, the GCC inlining options and the GEMM prefetch) into one package file, which every
-later process loads with `aoti_load_package` (~2 s) and runs at once.
+`torch.compile`'s caches cannot hold a frozen graph, so each process would trace, freeze and autotune the step again
+(minutes). Here the step is exported once (`torch.export`) and compiled ahead of time with AOTInductor into one
+package file (the same inductor options: freezing, the CPP GEMM templates, the inlining options, the GEMM prefetch),
+which every later process loads with `aoti_load_package` in seconds.
 
-One artifact serves every block length from 1 to `MAX_BLOCK`, every context length and batches of up to `MAX_ROWS`
-rows: the rows `B`, the block length `Q`, the KV cache's capacity `S` and the attended length `L` are dynamic
-dimensions (a batch's rows write their blocks at the same slots, each with its own positions and `(B, 1, Q, L)` mask:
-`hf_bpd.runtime.batched.ArtifactBatchedRunner`). The inputs must be dense: the code reads rows by the strides it was
-built with (an input whose rows were one broadcast row would be read as that row). The KV tensors are inputs,
-written in place by the step (so the cache stays the caller's: rollback and growth are plain tensor operations), and
-the attention reads the first `L` cache slots only, the ones the `(B, 1, Q, L)` mask covers. A context that outgrows
-its cache gets a bigger cache, never a new compilation.
+One artifact serves block lengths 1 to `MAX_BLOCK`, every context length and batches of up to `MAX_ROWS` rows: rows,
+block length, the KV cache's capacity and the attended length are dynamic. Inputs must be dense (the code reads rows
+by the strides it was built with). The KV tensors are inputs written in place, so the cache stays the caller's.
 
-Batches get a second graph beside it, the one-token batch step (`ONE_TOKEN`, `one_token.pt2`): the same step for
-one token per row, exported at 16 example rows (inductor tunes each GEMM's kernel at the example's shape), each
-key/value head's query heads stacked as that head's queries in the attention. Its gain comes from the block length
-being static (the step's is dynamic), the tuning for 16 rows and the stacked heads (1-2 % each of the last two).
-SmolLM2's 16-row one-token step: 66.1 ms against 70.9 on the step (minimum of 8 alternating medians; 4 rows 36.7 vs
-38.6, 8 rows 46.8 vs 48.3; Intel Xeon AVX-512, 2 threads, 300 cached tokens; both built without the GEMM weight
-prefetches, which took the one-token step to 58.2 ms: docs/performance.md). On AVX2 CPUs its GEMMs run an 8 x 8
-register block instead of inductor's 4 x 24 (`hf_bpd.runtime.register_block`: 16 rows 16 % faster, 4 rows alike;
-recorded in its key). A third graph, the two-token batch step (`TWO_TOKENS`, `two_tokens.pt2`), runs a batch's steps
-of two tokens per row: exported from 4 rows, block length static, the step's attention, the same register block
-(SmolLM2, AVX2 EPYC, 4 rows x 2 tokens: 39.7 ms against 52.1 on the step, 39.8 for 4 x 1 on the one-token step;
-docs/performance.md#batches). They are built when a batch first runs on the artifact (in the background, one after
-the other, like the step: the step serves those steps until they are there), or by `hf-bpd compile`. A base with
-sliding-window layers (Gemma-3) has no batch steps; its step takes the sliding layers' mask as an input of its own
-(`_WindowedStep`), so a batch's rows, whose slots hold other positions than their index, pass the windows they built,
-and a lone call's is derived from its full mask (`step.window_mask`).
-
-On AVX2 CPUs a lone call's blocks of 8 tokens (7 draft nodes) run on a fourth graph, the eight-token step
-(`EIGHT_TOKENS`, `eight_tokens.pt2`): one row of 8 tokens, rows and block length static, the 8 x 8 register block, so
-each GEMM covers its 8 rows in one pass (SmolLM2 fp32, AMD EPYC family 23, 2 threads, 300 cached tokens: 32.2 ms
-against 41.1 on the step, logits and hidden states equal bit for bit; a one-token step: 24.8). It is built after the
-step (in the background, or by `hf-bpd compile` and `install.sh`); fp32 bases without sliding-window layers only
-(`eight_tokens_unsupported_reason`).
+Graphs beside the step, each with static shapes where that lets inductor pick better kernels: the batch steps of one
+and two tokens a row (`ONE_TOKEN`, `TWO_TOKENS`) and, on AVX2 CPUs, the eight-token step (`EIGHT_TOKENS`: a lone
+call's blocks of 8). They are built after the step, in the background or by `hf-bpd compile`; the step serves their
+shapes until they exist. A base with sliding-window layers has no batch steps; its step takes the sliding layers'
+mask as an input of its own (`_WindowedStep`). docs/performance.md#compiled-steps has their costs.
 
 An artifact is valid for what it was built from, all in its key: the base's weights (`weights.digest`: every byte),
-dtype and config, the torch / transformers / hf_bpd versions, the CPU's instruction set and flags (an artifact built
-where AMX tiles are would not run where they are not; both CPUs say AVX512) and the thread count (baked into
-inductor's GEMM code). It lives in `$HF_BPD_CACHE/artifacts/<key>/` beside `key.json` (with the package's
-sha256, checked on every load: a corrupt or stale file is rebuilt, not run); builds write to a temporary file,
-renamed into place, under a file lock, so two processes never build the same one at once.
+dtype and config, the torch / transformers / hf_bpd versions, the CPU's instruction set and flags (AMX tiles are not
+in the capability's name) and the thread count (baked into the GEMM code). It lives in
+`$HF_BPD_CACHE/artifacts/<key>/` beside `key.json` with the package's sha256 (a corruption check on every load: a
+damaged file is rebuilt, not run); builds write a temporary file and rename it into place, under the folder's lock.
+Folders that fail `hub.locate.trust_problem` are never loaded from or built in.
 """
 
 from __future__ import annotations
@@ -62,6 +38,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import weights
+from .cache_files import LOCK, _inductor_cache, _wait_for_lock, distrusted, inductor_cache_env, open_lock  # noqa: F401
 from .attention import attention_implementation, stacked_query_attention
 from .ordered_attention import uses_ordered_attention
 from .step import VerificationStep, compile_unsupported_reason, kv_layout, sliding_window_of, verification_cache, \
@@ -81,7 +58,6 @@ MAX_BLOCK = 16  # block lengths one artifact serves (1..MAX_BLOCK)
 MAX_ROWS = 64  # batch rows one artifact serves (1..MAX_ROWS)
 MAX_CONTEXT = 32768
 PACKAGE = "step.pt2"
-LOCK = "build.lock"  # held by whoever builds the artifact
 FAILED = "build.failed"  # the last build's error (a background build is not started again while it is there)
 DESCRIPTION = {STEP: "the compiled step", ONE_TOKEN: "the compiled one-token batch step",  # in log lines
                TWO_TOKENS: "the compiled two-token batch step", EIGHT_TOKENS: "the compiled eight-token step"}
@@ -130,29 +106,6 @@ def artifacts_dir() -> Path:
     from ..hub.locate import cache_dir
 
     return cache_dir() / "artifacts"
-
-
-_DISTRUSTED: set[Path] = set()  # artifact folders this process has warned about (one line each)
-
-
-def distrusted(directory: Path) -> bool:
-    """Whether `directory` fails `hub.locate.trust_problem` (then nothing in it is loaded or built; one warning)."""
-    from ..hub.locate import trust_problem
-
-    problem = trust_problem(directory)
-    if problem is not None and directory not in _DISTRUSTED:
-        _DISTRUSTED.add(directory)
-        import warnings
-
-        warnings.warn(f"hf_bpd: no compiled step is used from {directory}: {problem} (decoding eagerly; fix the "
-                      "cache's ownership and permissions, or set HF_BPD_CACHE to a folder of your own)", stacklevel=4)
-    return problem is not None
-
-
-def open_lock(directory: Path):
-    """The folder's build lock file, opened for writing without following a symbolic link (`O_NOFOLLOW`)."""
-    fd = os.open(directory / LOCK, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    return os.fdopen(fd, "w")
 
 
 def unsupported_reason(base) -> str | None:
@@ -318,17 +271,16 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def build(base, threads: int | None = None, log=None, key: dict | None = None, graph: str = STEP) -> Path:
+def build(base, threads: int | None = None, log=None, key: dict | None = None, graph: str = STEP,
+          lock=None) -> Path:
     """Build `graph` of the artifact of `base` for this machine (unless a valid one exists) in
-    `$HF_BPD_CACHE/artifacts/<key>/`. Holds the folder's file lock while building; returns the package path. `key`:
-    the key to build under (a background worker's copy of another process's base: its weights and dtype must be the
-    key's)."""
+    `$HF_BPD_CACHE/artifacts/<key>/`. Holds the folder's file lock while building (`lock`: the lock file a
+    background worker inherited, already held); returns the package path. `key`: the key to build under (a
+    background worker's copy of another process's base: its weights and dtype must be the key's)."""
     from .inlining import INDUCTOR_OPTIONS, compiler_options
     from .prefetch import prefetching_gemm_template
     from .quiet import quiet_compilation
     from .register_block import batch_step_block, register_block
-
-    import fcntl  # POSIX file locks (Linux, macOS)
 
     own = artifact_key(base, threads if key is None else key["threads"])
     if key is not None and (own["weights"], own["dtype"]) != (key["weights"], key["dtype"]):
@@ -340,8 +292,8 @@ def build(base, threads: int | None = None, log=None, key: dict | None = None, g
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     if distrusted(directory):
         raise OSError(f"{directory} is not a cache folder of this user's (see the warning): nothing built there")
-    with open_lock(directory) as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second builder waits here, then finds the artifact built
+    with (lock if lock is not None else open_lock(directory)) as lock:
+        _wait_for_lock(lock, directory, log)  # a second builder waits here, then finds the artifact built
         if valid(directory, key, graph):
             return package
         failed.unlink(missing_ok=True)
@@ -353,7 +305,7 @@ def build(base, threads: int | None = None, log=None, key: dict | None = None, g
         partial = directory / f".partial-{os.getpid()}-{package.name}"
         block = batch_step_block() if graph != STEP else None
         with torch.no_grad(), prefetching_gemm_template(), register_block(block), quiet_compilation(), \
-                torch._inductor.config.patch(compiler_options()):
+                torch._inductor.config.patch(compiler_options()), _inductor_cache():
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial), inductor_configs=options)
         record = {**graph_key(key, graph), "sha256": _sha256(partial), "bytes": partial.stat().st_size,
                   "build_seconds": round(time.perf_counter() - start, 1)}
@@ -361,6 +313,7 @@ def build(base, threads: int | None = None, log=None, key: dict | None = None, g
         tmp = directory / f".{record_file.name}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
         os.replace(tmp, record_file)
+        (directory / f"attempts-{graph}").unlink(missing_ok=True)  # background.ATTEMPTS: this build did not die
         if log:
             log(f"built in {record['build_seconds']:.0f} s: {package} ({record['bytes'] / 1e6:.0f} MB)")
         return package

@@ -43,7 +43,7 @@ from . import artifacts
 
 logger = logging.getLogger("hf_bpd")
 WEIGHTS = "base"  # the copy of the base's weights the worker loads, in the artifact's folder
-REQUEST = "request-{graph}.json"  # the key the worker builds a graph under
+REQUEST = "request-{graph}-{pid}.json"  # the key the worker builds a graph under, one file per calling process
 _WORKERS: dict[Path, object] = {}  # artifact folder -> the thread (saving the weights) or worker process started here
 _TOLD: set[tuple[Path, str]] = set()  # (folder, graph) builds this process has announced (one line each)
 _LOCK = threading.Lock()
@@ -113,16 +113,57 @@ _MEANWHILE = {artifacts.STEP: "decoding eagerly",
               artifacts.EIGHT_TOKENS: "blocks of 8 tokens run on the compiled step"}
 
 
-def worker_command(directory: Path, graph: str) -> list[str]:
+def worker_command(directory: Path, graph: str, request: str, lock_fd: int | None = None) -> list[str]:
     """The build worker's command line. `-P` (and the artifact folder as its working directory): the worker imports
     hf_bpd's installed code only, never a module that happens to lie in the caller's working directory."""
     return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "hf_bpd.runtime.build_worker",
-            str(directory), graph]
+            str(directory), graph, request, *([str(lock_fd)] if lock_fd is not None else [])]
+
+
+ATTEMPTS = "attempts-{graph}"  # builds of a graph started whose worker has not finished; a third is not started
+MAX_ATTEMPTS = 2  # a build whose worker died this many times (killed, out of memory) is recorded as failed
+
+
+def _clean_leftovers(directory: Path) -> None:
+    """Remove what dead builds left in `directory` (weight copies, requests, partial packages); called only while
+    holding its lock, so no live build owns any of them."""
+    for item in directory.iterdir():
+        if item.name.startswith((f"{WEIGHTS}-", "request-", ".partial-")) and not item.is_symlink():
+            shutil.rmtree(item) if item.is_dir() else item.unlink(missing_ok=True)
 
 
 def start_build(base, key: dict, directory: Path, graph: str = artifacts.STEP) -> None:
-    """Save `base`'s weights for the worker and start it, both off the calling thread (saving SmolLM2 takes ~1 s)."""
+    """Claim `directory`'s build lock (without waiting: a build under way there is left alone), clean up after dead
+    builds, then save `base`'s weights for the worker and start it off the calling thread (saving SmolLM2 takes
+    ~1 s). The worker inherits the lock, so from the claim to its end no other process starts a build there. A
+    graph whose worker died `MAX_ATTEMPTS` times is recorded as failed instead."""
+    import fcntl
+
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    lock = artifacts.open_lock(directory)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # another process builds here
+        lock.close()
+        return
+    _, record, failed = artifacts.graph_files(directory, graph)
+    attempts_file = directory / ATTEMPTS.format(graph=graph)
+    try:
+        _clean_leftovers(directory)
+        attempts = int(attempts_file.read_text() or 0) if attempts_file.is_file() else 0
+        if record.exists() or failed.exists():  # built or failed since the caller looked
+            lock.close()
+            return
+        if attempts >= MAX_ATTEMPTS:
+            failed.write_text(f"the build's worker died {attempts} times without a word (killed, or out of memory; "
+                              f"see {directory / 'build.log'})\n")
+            attempts_file.unlink()
+            lock.close()
+            return
+        attempts_file.write_text(str(attempts + 1))
+    except BaseException:
+        lock.close()
+        raise
     if (directory, graph) not in _TOLD:
         _TOLD.add((directory, graph))
         logger.warning("hf_bpd: building %s for this machine in the background (%s, %d threads; log: %s); %s until "
@@ -132,12 +173,11 @@ def start_build(base, key: dict, directory: Path, graph: str = artifacts.STEP) -
     def save_and_start():
         try:
             weights = directory / f"{WEIGHTS}-{os.getpid()}"
-            shutil.rmtree(weights, ignore_errors=True)
-            weights.mkdir()
+            weights.mkdir(mode=0o700)
             # not `base.save_pretrained`: it would set fields of the caller's config (and print a progress bar)
             copy.deepcopy(base.config).save_pretrained(weights)
             save_model(base, str(weights / "model.safetensors"))  # tied tensors once
-            request = directory / REQUEST.format(graph=graph)
+            request = directory / REQUEST.format(graph=graph, pid=os.getpid())
             request.write_text(json.dumps({**key, "weights_dir": weights.name}, indent=1))
             # Its own process group (Ctrl-C in a terminal reaches the caller only), but the caller's session: with
             # Linux's autogroup scheduling a new session would get an equal share of the CPU whatever its priority
@@ -145,14 +185,17 @@ def start_build(base, key: dict, directory: Path, graph: str = artifacts.STEP) -
             group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
             with open(directory / "build.log", "ab") as log:
                 _WORKERS[directory] = subprocess.Popen(
-                    worker_command(directory, graph), cwd=directory,
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, **group,
-                    env={**os.environ, "OMP_NUM_THREADS": str(key["threads"]), "TORCHINDUCTOR_COMPILE_THREADS": "1"})
+                    worker_command(directory, graph, request.name, lock.fileno()), cwd=directory,
+                    pass_fds=(lock.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    **group, env={**os.environ, "OMP_NUM_THREADS": str(key["threads"]),
+                                  "TORCHINDUCTOR_COMPILE_THREADS": "1", **artifacts.inductor_cache_env()})
         except Exception as error:  # noqa: BLE001 - the caller decodes eagerly whatever happens here
-            failed = artifacts.graph_files(directory, graph)[2]
             failed.write_text(f"starting the build: {type(error).__name__}: {error}\n")
+        finally:
+            lock.close()  # the worker holds the lock through its own copy of the descriptor
 
-    thread = threading.Thread(target=save_and_start, name="hf_bpd-artifact-save", daemon=True)
+    # Not a daemon: a short script that ends now still leaves a complete weight copy and a started worker.
+    thread = threading.Thread(target=save_and_start, name="hf_bpd-artifact-save")
     _WORKERS[directory] = thread
     thread.start()
 

@@ -1,7 +1,8 @@
-"""The background build's worker process (`python -m hf_bpd.runtime.build_worker FOLDER GRAPH`, started by
-`hf_bpd.runtime.background.start_build`): loads the copy of the caller's base saved in FOLDER, builds the int8 heads
-kernel (for the step) and then the artifact's GRAPH under the caller's key, at idle CPU priority; records a failure
-in the graph's failure note (`build.failed` for the step)."""
+"""The background build's worker process (`python -P -m hf_bpd.runtime.build_worker FOLDER GRAPH REQUEST [LOCK_FD]`,
+started by `hf_bpd.runtime.background.start_build`): checks the request, loads the copy of the caller's base saved in
+FOLDER, builds the int8 heads kernel (for the step) and then the artifact's GRAPH under the caller's key, at idle CPU
+priority, holding the build lock it inherited; records a failure in the graph's failure note (`build.failed` for
+the step)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,22 @@ from pathlib import Path
 import torch
 
 from . import artifacts
-from .background import REQUEST
+from .background import ATTEMPTS, REQUEST
 
 
-def main(directory: Path, graph: str = artifacts.STEP) -> int:
-    """The worker: load the saved base, build the int8 kernel and `graph` of the artifact under the requested key."""
+def main(directory: Path, graph: str = artifacts.STEP, request_name: str = "", lock_fd: int | None = None) -> int:
+    """The worker: load the saved base, build the int8 kernel and `graph` of the artifact under the key requested in
+    `request_name`, holding the build lock the caller claimed (`lock_fd`, inherited; else it takes the lock)."""
+    import re
+
     from transformers import AutoModelForCausalLM
 
-    request_file = directory / REQUEST.format(graph=graph)
     failed = artifacts.graph_files(directory, graph)[2]
+    if not re.fullmatch(REQUEST.format(graph=re.escape(graph), pid="[0-9]+"), request_name):
+        failed.write_text(f"refused: a request file named {request_name!r}\n")
+        return 2
+    lock = os.fdopen(lock_fd, "w") if lock_fd is not None else None
+    request_file = directory / request_name
     request = json.loads(request_file.read_text())
     weights_name = str(request.pop("weights_dir", ""))
     key = request
@@ -50,7 +58,7 @@ def main(directory: Path, graph: str = artifacts.STEP) -> int:
                 build_kernel()
             except Exception as error:  # noqa: BLE001 - generate() warns about it when it asks for the kernel
                 print(f"int8 heads kernel: {error}", flush=True)
-        path = artifacts.build(base, log=lambda line: print(line, flush=True), key=key, graph=graph)
+        path = artifacts.build(base, log=lambda line: print(line, flush=True), key=key, graph=graph, lock=lock)
         print(f"ready: {path}", flush=True)
     except Exception as error:  # noqa: BLE001 - recorded for the callers, who decode eagerly
         failed.write_text(f"{type(error).__name__}: {str(error).splitlines()[0][:500]}\n")
@@ -59,6 +67,7 @@ def main(directory: Path, graph: str = artifacts.STEP) -> int:
     finally:
         shutil.rmtree(weights, ignore_errors=True)
         request_file.unlink(missing_ok=True)
+        (directory / ATTEMPTS.format(graph=graph)).unlink(missing_ok=True)  # it ended (built or failed), not died
     return 0
 
 
@@ -99,4 +108,4 @@ def idle_priority() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1]), *sys.argv[2:3]))
+    sys.exit(main(Path(sys.argv[1]), sys.argv[2], sys.argv[3], *(int(fd) for fd in sys.argv[4:5])))

@@ -1,10 +1,19 @@
-"""Writing hf_bpd's small cache files (measured cost tables beside artifacts and under `$HF_BPD_CACHE`)."""
+"""hf_bpd's cache folders: small files written whole (measured cost tables beside artifacts and under
+`$HF_BPD_CACHE`), the trust check and build locks of artifact folders, and inductor's build cache inside hf_bpd's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import time
+import warnings
 from pathlib import Path
+
+logger = logging.getLogger("hf_bpd")
+LOCK = "build.lock"  # held by whoever builds in an artifact folder
+LOCK_WAIT = 3600  # seconds a builder waits for another's build in the same folder (an artifact takes minutes)
 
 
 def store_json(path: Path, data) -> bool:
@@ -55,3 +64,66 @@ class KeptCostCheck:
         self.unchecked.clear()
         self.seen.clear()
         return True
+
+
+_DISTRUSTED: set[Path] = set()  # artifact folders this process has warned about (one line each)
+
+
+def distrusted(directory: Path) -> bool:
+    """Whether `directory` fails `hub.locate.trust_problem` (then nothing in it is loaded or built; one warning)."""
+    from ..hub.locate import trust_problem
+
+    problem = trust_problem(directory)
+    if problem is not None and directory not in _DISTRUSTED:
+        _DISTRUSTED.add(directory)
+        warnings.warn(f"hf_bpd: no compiled step is used from {directory}: {problem} (decoding eagerly; fix the "
+                      "cache's ownership and permissions, or set HF_BPD_CACHE to a folder of your own)", stacklevel=4)
+    return problem is not None
+
+
+def open_lock(directory: Path):
+    """The folder's build lock file, opened for writing without following a symbolic link (`O_NOFOLLOW`)."""
+    fd = os.open(directory / LOCK, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return os.fdopen(fd, "w")
+
+
+def inductor_cache_env() -> dict:
+    """inductor's own build cache inside hf_bpd's (not `/tmp/torchinductor_$USER`, which anyone may create first)."""
+    from ..hub.locate import cache_dir
+
+    return {"TORCHINDUCTOR_CACHE_DIR": str(cache_dir() / "inductor")}
+
+
+@contextlib.contextmanager
+def _inductor_cache():
+    """inductor's build cache under `inductor_cache_env()` while an artifact compiles."""
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ.update(inductor_cache_env())
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+
+
+def _wait_for_lock(lock, directory: Path, log=None) -> None:
+    """Take `directory`'s build lock, waiting at most `LOCK_WAIT` seconds for a build under way (saying so once)."""
+    import fcntl
+
+    deadline = time.monotonic() + LOCK_WAIT
+    told = False
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a build in {directory} held its lock for over {LOCK_WAIT // 60} minutes: "
+                                   "let it finish, or end it and run `hf-bpd compile --clear`") from None
+            if not told:
+                told = True
+                (log or (lambda line: logger.warning("hf_bpd: %s", line)))(
+                    f"waiting for the build under way in {directory} (up to {LOCK_WAIT // 60} minutes)")
+            time.sleep(0.5)
