@@ -727,3 +727,10 @@ def test_an_empty_cache_variable_is_unset_and_clear_removes_only_artifact_folder
         assert main(["compile", "--clear"]) == 0
     assert (tmp_path / "artifacts" / "0123456789abcdef0123").is_dir()
     assert sorted(p.name for p in root.iterdir()) == ["fedcba9876543210fedc", "notes"]
+    for name in ("kernels", "models", "kenlm"):
+        (cache_dir() / name).mkdir()
+    (cache_dir() / "gguf").symlink_to(tmp_path / "artifacts")  # a link is left alone, and so is what it points to
+    assert main(["compile", "--all"]) == 2  # --all goes with --clear
+    assert main(["compile", "--clear", "--all"]) == 0
+    assert sorted(p.name for p in cache_dir().iterdir()) == ["artifacts", "gguf", "kenlm"]
+    assert (tmp_path / "artifacts" / "0123456789abcdef0123").is_dir()

@@ -295,3 +295,23 @@ def test_dtype_short_names_and_int8_quantization_flag(tiny, capsys):
     assert code == 0, capsys.readouterr().err
     with pytest.raises(ValueError, match="--quantize int8 computes with bf16 activations: pass --dtype bf16, not float32"):
         load_model(tiny["heads"], dtype="fp32", quantize="int8")
+
+def test_calibrate_save_rewrites_a_local_config_whole_and_refuses_a_linked_one(tiny, tmp_path, capsys):
+    """`calibrate --save` writes `head_calibration` into a local checkpoint's config.json through a temporary file
+    renamed into place; a config.json that is a link (a Hub snapshot's files link into the shared blob store) is
+    refused in one line, before anything is loaded, and the file it links to is untouched."""
+    import shutil
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(tiny["heads"], checkpoint)
+    args = ["calibrate", "--model", str(checkpoint), "--questions", tiny["questions"], "--limit", "1",
+            "--max-new-tokens", "6", "--threads", "1", "--save"]
+    assert run_main(args) == 0, capsys.readouterr().err
+    assert "head_calibration" in json.loads((checkpoint / "config.json").read_text())
+    assert not [p for p in checkpoint.iterdir() if p.name.endswith(".tmp")]
+    blob = tmp_path / "blob.json"
+    (checkpoint / "config.json").rename(blob)
+    (checkpoint / "config.json").symlink_to(blob)
+    before = blob.read_text()
+    line = one_line_error(run_main(args), capsys)
+    assert "is a link" in line and blob.read_text() == before

@@ -13,8 +13,12 @@ def cmd_compile(args) -> int:
     from ..runtime import artifacts
     from ..runtime.batched import batched_artifact_unsupported_reason
 
+    if args.all and not args.clear:
+        raise ValueError("--all goes with --clear: hf-bpd compile --clear --all")
     if args.clear:
         print(f"removed {artifacts.clear()} artifact(s) from {artifacts.artifacts_dir()}")
+        if args.all:
+            print(f"removed {', '.join(_clear_rebuildable()) or 'nothing else'}")
         return 0
     if args.list:
         found = artifacts.listing()
@@ -64,6 +68,24 @@ def cmd_compile(args) -> int:
     return 0
 
 
+REBUILDABLE = ("kernels", "toolchain", "inductor", "costs", "models", "gguf")  # cache folders hf_bpd makes again
+
+
+def _clear_rebuildable() -> list[str]:
+    """Remove the cache folders in `REBUILDABLE` (real folders inside the cache only); returns those removed."""
+    import shutil
+
+    from ..hub.locate import cache_dir
+
+    removed = []
+    for name in REBUILDABLE:
+        folder = cache_dir() / name
+        if folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder)
+            removed.append(str(folder))
+    return removed
+
+
 def _largest_block(model, args) -> int:
     """The largest block the checkpoint's defaults, or `--tree` / `--draft-nodes`, verify (1 for a plain base)."""
     if not hasattr(model, "heads"):
@@ -100,5 +122,8 @@ def add_parsers(sub, command) -> None:
                    help="build the step (and the eight-token step) only, not the batch steps (a batch builds "
                    "them in the background)")
     p.add_argument("--list", action="store_true", help="list the built artifacts")
-    p.add_argument("--clear", action="store_true", help="remove every built artifact")
+    p.add_argument("--clear", action="store_true", help="remove every built artifact (none that a build holds)")
+    p.add_argument("--all", action="store_true",
+                   help="with --clear: also what else hf_bpd rebuilds on its own (kernels, the compiler wrapper, "
+                        "inductor's cache, cost tables, converted and joined packaged bases); KenLM stays")
     p.set_defaults(func=cmd_compile)

@@ -227,11 +227,25 @@ def _add_common(p, model_default: str | None = "smollm2-135m-instruct", question
 
 
 def _local_checkpoint_config(model: str, flag: str) -> Path:
+    """The config.json that `flag` rewrites: a plain file of a local checkpoint, never a link (a Hub snapshot's files
+    link into the shared blob store, which a write would change for every snapshot)."""
     config_file = Path(model) / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{flag} writes into a local checkpoint's config.json; {config_file} does not exist: pass "
                          "--model DIR (a heads checkpoint directory), or drop " + flag)
+    if config_file.is_symlink():
+        raise ValueError(f"{flag}: {config_file} is a link (a Hub download?): copy the checkpoint into a folder of "
+                         "your own (`cp -rL`) and pass that, or drop " + flag)
     return config_file
+
+
+def _write_config(config_file: Path, config: dict) -> None:
+    """Rewrite `config_file` whole or not at all: a temporary file beside it, renamed into place."""
+    import os
+
+    partial = config_file.with_name(f".{config_file.name}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(partial, config_file)
 
 
 def _one_line(err: BaseException) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..limits import MAX_DRAFT_TOP_K
 from .common import (RESCORER_NAMES, _add_common, _local_checkpoint_config, _locate, _positive, _questions, _setup,
-                     _writable_file)
+                     _writable_file, _write_config)
 
 
 def _alpha_grid(text: str | None):
@@ -69,7 +69,7 @@ def cmd_tune_alpha(args) -> int:
         config_file = _local_checkpoint_config(args.model, "--save")
         config = json.loads(config_file.read_text())
         config["rescorers"][args.rescorer]["alpha"] = result["alpha"]
-        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _write_config(config_file, config)
         print(f"saved α = {result['alpha']:g} to {config_file}")
     return 0
 
@@ -103,7 +103,7 @@ def cmd_calibrate(args) -> int:
         config_file = _local_checkpoint_config(args.model, "--save")
         config = json.loads(config_file.read_text())
         config["head_calibration"] = calibration.to_dict()
-        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _write_config(config_file, config)
         print(f"saved head_calibration to {config_file}")
     return 0
 
