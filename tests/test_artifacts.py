@@ -573,7 +573,7 @@ def test_the_eight_token_step_equals_the_eager_step_and_serves_lone_blocks_of_8(
     """The eight-token step (one row of 8 tokens, AVX2's 8 x 8 register block there) computes what the eager step
     computes; a lone call with it attached runs its blocks of 8 on it and equals the base's greedy `generate()`, its
     block costs kept in a table of their own. Where it does not pay (not AVX2, bf16, sliding windows,
-    `HF_BPD_EIGHT_TOKENS=0`) a one-line reason says so."""
+    `HF_BPD_OFF=eight-tokens`) a one-line reason says so."""
     from hf_bpd.runtime import compiled
 
     _, base, path = built
@@ -619,11 +619,11 @@ def test_the_eight_token_step_equals_the_eager_step_and_serves_lone_blocks_of_8(
     _RUNNERS.pop(base, None)
     monkeypatch.undo()
 
-    monkeypatch.setenv("HF_BPD_EIGHT_TOKENS", "0")
-    assert "HF_BPD_EIGHT_TOKENS=0" in artifacts.eight_tokens_unsupported_reason(base)
-    monkeypatch.setenv("HF_BPD_EIGHT_TOKENS", "1")
+    monkeypatch.setenv("HF_BPD_OFF", "eight-tokens")
+    assert "HF_BPD_OFF=eight-tokens" in artifacts.eight_tokens_unsupported_reason(base)
+    monkeypatch.setenv("HF_BPD_OFF", "")
     assert "bf16" in artifacts.eight_tokens_unsupported_reason(saved_base(built[0]).to(torch.bfloat16))
-    monkeypatch.setenv("HF_BPD_REGISTER_BLOCK", "0")  # inductor's own block: the step serves 8 as fast
+    monkeypatch.setenv("HF_BPD_OFF", "register-block")  # inductor's own block: the step serves 8 as fast
     assert "AVX-512" in artifacts.eight_tokens_unsupported_reason(base)
 
 

@@ -224,7 +224,7 @@ def test_plain_compiled_batches_and_eager_fallbacks():
     assert model.last_generation_stats.verifier == "eager"
     assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
     told = [str(w.message) for w in caught if "the batch verifies eagerly" in str(w.message)]
-    assert len(told) == 1 and "HF_BPD_ARTIFACTS=0" in told[0] and 'compile="wait"' in told[0]
+    assert len(told) == 1 and "HF_BPD_OFF=artifacts" in told[0] and 'compile="wait"' in told[0]
     assert "\n" not in told[0]
 
     half = copy.deepcopy(random_bpd("llama", 2)).to(torch.bfloat16)  # random_bpd's models are shared

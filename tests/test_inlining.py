@@ -118,12 +118,12 @@ def test_prefetching_is_off_with_zero_or_an_unknown_template(monkeypatch):
     from hf_bpd.runtime import prefetch
 
     original = CppMicroGemmFP32Vec.TEMPLATE_KERNEL
-    monkeypatch.setenv("HF_BPD_GEMM_PREFETCH", "0")
+    monkeypatch.setenv("HF_BPD_OFF", "prefetch")
     with prefetch.prefetching_gemm_template() as on:
         assert not on and CppMicroGemmFP32Vec.TEMPLATE_KERNEL is original
-    monkeypatch.setenv("HF_BPD_GEMM_PREFETCH", "16")
+    monkeypatch.setenv("HF_BPD_OFF", "")
     with prefetch.prefetching_gemm_template() as on:
-        assert on and "(k + 16)" in CppMicroGemmFP32Vec.TEMPLATE_KERNEL
+        assert on and f"(k + {prefetch.PREFETCH_ROWS})" in CppMicroGemmFP32Vec.TEMPLATE_KERNEL
     assert CppMicroGemmFP32Vec.TEMPLATE_KERNEL is original
     monkeypatch.setattr(CppMicroGemmFP32Vec, "TEMPLATE_KERNEL", "another torch's template")
     with prefetch.prefetching_gemm_template() as on:
@@ -140,7 +140,7 @@ def test_prefetching_applies_in_a_process_that_has_not_loaded_inductor():
               "with prefetching_gemm_template() as on:\n"
               "    from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec\n"
               "    print(on, '__builtin_prefetch' in CppMicroGemmFP32Vec.TEMPLATE_KERNEL)\n")
-    env = {**os.environ, "HF_BPD_GEMM_PREFETCH": "32"}
+    env = {**os.environ, "HF_BPD_OFF": ""}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "True"], done.stdout + done.stderr[-2000:]

@@ -59,7 +59,7 @@ def engine(request):
 
 def test_the_packed_gemm_runs_on_amx_where_the_cpu_has_it():
     engine = torch.ops.hf_bpd_kernels.packed_linear_engine()
-    assert engine == ("amx" if CPU_HAS_AMX and os.environ.get("HF_BPD_AMX") != "0" else "avx512")
+    assert engine == ("amx" if CPU_HAS_AMX and "amx" not in os.environ.get("HF_BPD_OFF", "").split(",") else "avx512")
     with pytest.raises(RuntimeError, match="'amx' or 'avx512'"):
         torch.ops.hf_bpd_kernels.packed_linear_engine("tiles")
 

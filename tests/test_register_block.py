@@ -86,7 +86,7 @@ def test_an_amx_cpu_is_served_by_the_avx512_fp32_blocks():
 
 def test_the_batch_steps_get_8x8_on_avx2_only(monkeypatch):
     """AVX2 (no AVX-512): 8 x 8, recorded in the batch steps' keys (so a step built with inductor's choice is built
-    again); other instruction sets and `HF_BPD_REGISTER_BLOCK=0`: inductor's choice, nothing recorded."""
+    again); other instruction sets and `HF_BPD_OFF=register-block`: inductor's choice, nothing recorded."""
     key = {"format": artifacts.FORMAT}
     for capability, block in (("AVX2", (8, 8, 1)), ("AVX512", None), ("DEFAULT", None)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
@@ -95,6 +95,6 @@ def test_the_batch_steps_get_8x8_on_avx2_only(monkeypatch):
             assert artifacts.graph_key(key, graph).get("register_block") == ("8x8" if block else None)
         assert artifacts.graph_key(key) == key  # the step: inductor's choice everywhere
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    monkeypatch.setenv("HF_BPD_REGISTER_BLOCK", "0")
+    monkeypatch.setenv("HF_BPD_OFF", "register-block")
     assert register_block.batch_step_block() is None
     assert "register_block" not in artifacts.graph_key(key, artifacts.ONE_TOKEN)

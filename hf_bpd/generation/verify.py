@@ -84,7 +84,7 @@ def compiled_verifier(model, needed_length: int, attention_mask=None, wait: bool
     """`(CompiledVerifier, runner)` for one call, or `None` when the call verifies eagerly: with a one-line warning
     when the compiled step cannot serve this base or call, silently while the base's artifact is being built in the
     background (`hf_bpd.runtime.background`, which announces the build once). With `wait`, a missing artifact is
-    built here first; bases that artifacts cannot serve (and `HF_BPD_ARTIFACTS=0`) compile with `torch.compile`."""
+    built here first; bases that artifacts cannot serve (and `HF_BPD_OFF=artifacts`) compile with `torch.compile`."""
     base = model.base_lm
     reason = compile_unsupported_reason(base)
     if reason is None and attention_mask is not None:

@@ -98,8 +98,10 @@ for _name, _forward in ((ATTENTION_NAME, attended_sdpa_forward),
 
 
 def enabled() -> bool:
-    """Whether artifacts are used at all (`HF_BPD_ARTIFACTS=0`: never; `compile=True` then compiles in-process)."""
-    return os.environ.get("HF_BPD_ARTIFACTS", "1") != "0"
+    """Whether artifacts are used at all (`HF_BPD_OFF=artifacts`: never; `compile=True` then compiles in-process)."""
+    from ..environment import off
+
+    return not off("artifacts")
 
 
 def artifacts_dir() -> Path:
@@ -210,11 +212,13 @@ def one_token_unsupported_reason(base) -> str | None:
 def eight_tokens_unsupported_reason(base) -> str | None:
     """Why `base`'s lone calls have no eight-token step (None when they can): it pays where its GEMMs run the 8 x 8
     register block (AVX2 CPUs: a static 8-row GEMM in one pass instead of two; `register_block`), for fp32 bases
-    without sliding-window layers (each graph holds the weights again). `HF_BPD_EIGHT_TOKENS=0` turns it off."""
+    without sliding-window layers (each graph holds the weights again). `HF_BPD_OFF=eight-tokens` turns it off."""
     from .register_block import batch_step_block
 
-    if os.environ.get("HF_BPD_EIGHT_TOKENS", "1") == "0":
-        return "turned off (HF_BPD_EIGHT_TOKENS=0)"
+    from ..environment import off
+
+    if off("eight-tokens"):
+        return "turned off (HF_BPD_OFF=eight-tokens)"
     if sliding_window_of(base) is not None:
         return "sliding-window bases run their blocks on the step"
     if base.dtype != torch.float32:
@@ -403,7 +407,7 @@ def ensure(base, log=None, graph: str = STEP) -> Artifact:
 def preload(base, generation_config=None) -> None:
     """Load `base`'s artifact now (at `from_pretrained`) when its generation config compiles and one is built, so the
     first `generate()` runs at full speed (and its eight-token step where it has one); nothing when none is built
-    (`HF_BPD_ARTIFACTS=0`: never)."""
+    (`HF_BPD_OFF=artifacts`: never)."""
     if getattr(generation_config, "compile", False) and enabled():
         load(base)
         if eight_tokens_unsupported_reason(base) is None:

@@ -19,7 +19,7 @@ to the artifact when it is there. The worker:
 
 The builder holds the artifact's file lock, so two processes never build the same one; a process that finds the
 lock held waits for nothing and decodes eagerly. `generate(compile="wait")` builds in the caller instead, before
-decoding (benchmarks); `HF_BPD_ARTIFACTS=0` turns artifacts off (`compile=True` then compiles with `torch.compile`
+decoding (benchmarks); `HF_BPD_OFF=artifacts` turns artifacts off (`compile=True` then compiles with `torch.compile`
 in the call, as on GPUs).
 
 The worker is `hf_bpd.runtime.build_worker`, started by `start_build`.

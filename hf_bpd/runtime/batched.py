@@ -331,7 +331,7 @@ def batched_artifact_unsupported_reason(base, rows: int) -> str | None:
     if rows > artifacts.MAX_ROWS:
         return f"the artifact serves batches of up to {artifacts.MAX_ROWS} rows"
     if not artifacts.enabled():
-        return "artifacts are turned off (HF_BPD_ARTIFACTS=0)"
+        return "artifacts are turned off (HF_BPD_OFF=artifacts)"
     if ordered_base(base):
         return "bf16 batches on hf_bpd's kernels have no artifact"
     return artifacts.unsupported_reason(base)

@@ -9,13 +9,12 @@
 Both compute each row of a block by the same instructions in the same order as that row alone, which is what keeps
 drafting exact in half precision. They are built on first use with the C++ compiler against PyTorch's headers
 (~15 s, once, cached per source, flags, CPU and PyTorch version) and registered with fake (meta) implementations, so
-`torch.compile` traces them as opaque calls. `HF_BPD_KERNELS=0` turns them off (inductor's kernels run instead).
+`torch.compile` traces them as opaque calls. `HF_BPD_OFF=kernels` turns them off (inductor's kernels run instead).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from pathlib import Path
 
@@ -56,8 +55,10 @@ def _build() -> Path:
 
 def kernels_unsupported_reason() -> str | None:
     """Why the kernels cannot run here (None when they can; builds and loads them on the first call)."""
-    if os.environ.get("HF_BPD_KERNELS", "1") == "0":
-        return "HF_BPD_KERNELS=0"
+    from ..environment import off
+
+    if off("kernels"):
+        return "HF_BPD_OFF=kernels"
     with _lock:
         if "loaded" not in _state and "error" not in _state:
             flags = set(cpu_features().split())

@@ -8,7 +8,7 @@ the multiply units busy for 8-16 (measured on SmolLM2's shapes, AMD EPYC, 2 thre
 `linear`, and faster than its int8 weight-only kernel from 4 rows on; `benchmarks/packed_kernels.py`). On CPUs with
 AMX the same packed weights are the tile unit's B tiles (`tdpbf16ps`, up to 16 rows per tile, each row its own
 fixed-order sum), where 8 or 16 rows cost what one row costs; one engine serves a process
-(`torch.ops.hf_bpd_kernels.packed_linear_engine()`, `HF_BPD_AMX=0` for the AVX512-BF16 path), because the two engines'
+(`torch.ops.hf_bpd_kernels.packed_linear_engine()`, `HF_BPD_OFF=amx` for the AVX512-BF16 path), because the two engines'
 sums can differ in their last bits.
 
 `packed_base(base)` is the module tree the compiled steps of a bf16 or `Int8WeightsConfig` base run: a copy of the
@@ -17,7 +17,7 @@ weights packed for the kernel (one extra copy of the linear weights per base, sh
 whose rotary embeddings are read from a table (`hf_bpd.runtime.rotary_table`). The base itself is not changed: its own
 `generate()` runs as loaded.
 
-The kernel is built on first use (`hf_bpd.runtime.kernels`); `HF_BPD_KERNELS=0` keeps inductor's GEMMs instead.
+The kernel is built on first use (`hf_bpd.runtime.kernels`); `HF_BPD_OFF=kernels` keeps inductor's GEMMs instead.
 """
 
 from __future__ import annotations

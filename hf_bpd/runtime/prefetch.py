@@ -14,14 +14,13 @@ arithmetic: the results are bit-identical (`tests/test_inlining.py`).
 inductor has no option for it, so while the compiled step compiles (inside its config patch only: the user's own
 `torch.compile` calls are untouched) the micro-kernel's template gets the prefetch line. The template is inductor's
 internal text: if the line it is added to is not found exactly once (another torch version), nothing is changed.
-`HF_BPD_GEMM_PREFETCH=0` turns it off (another number sets the distance in weight rows).
+`HF_BPD_OFF=prefetch` turns it off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +34,10 @@ _PREFETCH = (  # one prefetch per 64-byte line of the row (the column offset is 
 
 
 def prefetch_rows() -> int:
-    """The prefetch distance in weight rows (`HF_BPD_GEMM_PREFETCH`, default `PREFETCH_ROWS`; 0 = off)."""
-    value = os.environ.get("HF_BPD_GEMM_PREFETCH", "")
-    try:
-        return max(0, int(value)) if value.strip() else PREFETCH_ROWS
-    except ValueError:
-        logger.warning("HF_BPD_GEMM_PREFETCH=%r is not a number of rows: using %d", value, PREFETCH_ROWS)
-        return PREFETCH_ROWS
+    """The prefetch distance in weight rows: `PREFETCH_ROWS`, 0 (off) with `HF_BPD_OFF=prefetch`."""
+    from ..environment import off
+
+    return 0 if off("prefetch") else PREFETCH_ROWS
 
 
 @contextlib.contextmanager

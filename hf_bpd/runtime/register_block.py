@@ -14,14 +14,13 @@ and two tokens a row, and the eight-token step, whose 8 rows are static (32.2 ms
 inductor has no option for the register block, so while the graph compiles (inside `register_block` only) its list
 of fp32 micro-kernel configurations for this CPU's instruction set keeps the chosen block's. The list is inductor's
 internal table: where it has no such entry (another instruction set, another torch version), nothing is changed.
-`HF_BPD_REGISTER_BLOCK=0` keeps inductor's own choice.
+`HF_BPD_OFF=register-block` keeps inductor's own choice.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 import torch
 
@@ -42,11 +41,13 @@ def _micro_gemm():
 
 def batch_step_block() -> tuple[int, int, int] | None:
     """The register block the batch steps (one and two tokens a row) are built with on this CPU: 8 x 8 where the
-    CPU's vector capability is AVX2 (no AVX-512), else None (inductor's choice); None with `HF_BPD_REGISTER_BLOCK=0`.
+    CPU's vector capability is AVX2 (no AVX-512), else None (inductor's choice); None with `HF_BPD_OFF=register-block`.
     Read from torch's capability, not inductor's instruction-set probe: every batch step's key asks for it, and
     the probe costs ~6 s in a process that has not loaded inductor (where the two disagree, `register_block` finds
     no 8 x 8 entry and changes nothing)."""
-    if os.environ.get("HF_BPD_REGISTER_BLOCK", "1") == "0":
+    from ..environment import off
+
+    if off("register-block"):
         return None
     return AVX2_BATCH_STEP_BLOCK if torch.backends.cpu.get_cpu_capability() == "AVX2" else None
 

@@ -19,13 +19,14 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define HF_BPD_AMX 1
+#define BPD_WITH_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -93,10 +94,10 @@ void rows_tile(int64_t rows, const uint32_t* x, int64_t ldx, const W* w, int64_t
     for (; m + MR <= rows; m += MR)
         tile<MR, NB>(x + m * ldx, ldx, w, block_stride, pairs, scale, bias, y + m * ldy, ldy);
     switch (rows - m) {
-#define HF_BPD_TAIL(R) \
+#define BPD_TAIL(R) \
     case R: tile<R, NB>(x + m * ldx, ldx, w, block_stride, pairs, scale, bias, y + m * ldy, ldy); break;
-        HF_BPD_TAIL(1) HF_BPD_TAIL(2) HF_BPD_TAIL(3) HF_BPD_TAIL(4) HF_BPD_TAIL(5) HF_BPD_TAIL(6) HF_BPD_TAIL(7)
-#undef HF_BPD_TAIL
+        BPD_TAIL(1) BPD_TAIL(2) BPD_TAIL(3) BPD_TAIL(4) BPD_TAIL(5) BPD_TAIL(6) BPD_TAIL(7)
+#undef BPD_TAIL
         default: break;
     }
 }
@@ -126,7 +127,7 @@ void run(int64_t rows, const uint32_t* x, int64_t pairs, const W* w, int64_t blo
     });
 }
 
-#ifdef HF_BPD_AMX
+#ifdef BPD_WITH_AMX
 // ---- AMX: tiles 0-3 hold the sums of 4 blocks of 16 outputs (rows x 16 fp32), tile 4 the rows' next 32 inputs,
 // tiles 5 and 6 a block's next 16 input pairs (as packed; int8 weights widened to bf16 first).
 constexpr int64_t kTilePairs = 16;  // input pairs per tile step (32 inputs, 64 bytes of a bf16 row)
@@ -172,7 +173,7 @@ inline void store_sums(int t, int64_t rows, const float* scale, const float* bia
     for (int64_t m = 0; m < rows; ++m) finish(_mm512_load_ps(sums + m * kLanes), scale, s, bias, c, y + m * ldy);
 }
 
-#define HF_BPD_AMX_STEP(T, B)                                                              \
+#define BPD_AMX_STEP(T, B)                                                              \
     if (NB > T) {                                                                          \
         _tile_loadd(B, b_tile(w + T * block_stride + k * 2 * kLanes, scratch[T & 1]), 64); \
         _tile_dpbf16ps(T, 4, B);                                                           \
@@ -189,13 +190,13 @@ void amx_tile(int64_t rows, const uint16_t* x, int64_t ldx, const W* w, int64_t 
     if (NB > 3) _tile_zero(3);
     for (int64_t k = 0; k < pairs; k += kTilePairs) {
         _tile_loadd(4, x + k * 2, ldx * 2);
-        HF_BPD_AMX_STEP(0, 5) HF_BPD_AMX_STEP(1, 6) HF_BPD_AMX_STEP(2, 5) HF_BPD_AMX_STEP(3, 6)
+        BPD_AMX_STEP(0, 5) BPD_AMX_STEP(1, 6) BPD_AMX_STEP(2, 5) BPD_AMX_STEP(3, 6)
     }
     for (int b = 0; b < NB; ++b)
         store_sums(b, rows, scale ? scale + b * kLanes : nullptr, bias ? bias + b * kLanes : nullptr, y + b * kLanes,
                    ldy);
 }
-#undef HF_BPD_AMX_STEP
+#undef BPD_AMX_STEP
 
 // Two row tiles (16 rows and `second` more) x NB (<= 2) blocks of 16 outputs: tiles 0 / 1 the first 16 rows' sums of
 // blocks 0 / 1, tiles 2 / 3 the other rows', tiles 4 / 5 the two row tiles' next 32 inputs, tiles 6 / 7 the blocks'
@@ -295,14 +296,21 @@ bool amx_granted() {  // Linux hands a process the AMX tile state only on reques
 }
 #endif
 
-// The engine of this process: "amx" where built for and granted (HF_BPD_AMX=0 declines it), else "avx512".
+// The engine of this process: "amx" where built for and granted (HF_BPD_OFF naming amx declines it), else "avx512".
 std::atomic<int> engine{-1};  // -1 undecided, 0 avx512, 1 amx
+
+// Whether HF_BPD_OFF (comma-separated, hf_bpd/environment.py) names "amx".
+bool amx_turned_off() {
+    const char* env = std::getenv("HF_BPD_OFF");
+    std::string names = env ? std::string(",") + env + "," : "";
+    names.erase(std::remove(names.begin(), names.end(), ' '), names.end());
+    return names.find(",amx,") != std::string::npos;
+}
 
 bool use_amx() {
     if (engine < 0) {
-#ifdef HF_BPD_AMX
-        const char* env = std::getenv("HF_BPD_AMX");
-        engine = (env && std::string(env) == "0") ? 0 : (amx_granted() ? 1 : 0);
+#ifdef BPD_WITH_AMX
+        engine = (amx_turned_off() || !amx_granted()) ? 0 : 1;
 #else
         engine = 0;
 #endif
@@ -314,7 +322,7 @@ std::string packed_linear_engine(const c10::optional<std::string>& choose) {
     use_amx();
     if (choose.has_value()) {
         TORCH_CHECK(*choose == "amx" || *choose == "avx512", "packed_linear_engine: 'amx' or 'avx512', got ", *choose);
-#ifdef HF_BPD_AMX
+#ifdef BPD_WITH_AMX
         engine = (*choose == "amx" && amx_granted()) ? 1 : 0;
 #else
         engine = 0;
@@ -350,7 +358,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
         const float* sp = int8 ? s.data_ptr<float>() : nullptr;
         const float* cp = c.defined() ? c.data_ptr<float>() : nullptr;
         const auto* wb = reinterpret_cast<const uint16_t*>(int8 ? nullptr : packed.data_ptr<at::BFloat16>());
-#ifdef HF_BPD_AMX
+#ifdef BPD_WITH_AMX
         if (pairs % kTilePairs == 0 && use_amx()) {
             const auto* xb = reinterpret_cast<const uint16_t*>(xp);
             if (int8) amx_run(m, xb, pairs, packed.data_ptr<int8_t>(), blocks, sp, cp, yp, n);
