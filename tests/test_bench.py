@@ -197,11 +197,13 @@ def test_multi_turn_continues_the_reference_conversation(loaded, tmp_path):
 def test_plain_base_skips_head_methods(checkpoint, loaded, tmp_path):
     base, tokenizer = hf_bpd.load_base(str(checkpoint[0]))
     questions = load_questions(write_questions(tmp_path / "q.jsonl", QUESTIONS[1:2]))
-    report = run_bench(base, tokenizer, questions, ["pld", "bpd", "tree"], max_new_tokens=6, warmup=0,
-                       progress=False)
-    assert report["methods"] == ["ar", "pld"]
+    report = run_bench(base, tokenizer, questions, ["pld", "bpd", "tree", "ar-compiled"], max_new_tokens=6,
+                       warmup=0, progress=False)
+    assert report["methods"] == ["ar", "pld", "ar-compiled"]  # compiled plain decoding needs no heads
     assert set(report["skipped"]) == {"bpd", "tree"}
     assert "no drafting heads" in report["skipped"]["bpd"]
+    compiled = [s for s in report["summary"] if s["method"] == "ar-compiled" and s["category"] == "all"]
+    assert compiled and compiled[0]["exact"] and compiled[0]["block_efficiency"] == 1.0
 
 
 def test_bench_needs_the_reference():

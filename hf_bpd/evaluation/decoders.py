@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -207,11 +208,26 @@ def decode_early_exit(model, inputs: dict, max_new_tokens: int, layer: int | Non
     return decode_assisted(model, inputs, max_new_tokens, method="early-exit", assistant_early_exit=layer)
 
 
+_WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # plain base -> its compiled plain wrapper
+
+
+def _plain_wrapper(base):
+    """`base` wrapped with one fresh head (never drafted with), kept per base so its compiled steps are reused."""
+    from ..modeling import BlockwiseParallelForCausalLM
+
+    if base not in _WRAPPERS:
+        _WRAPPERS[base] = BlockwiseParallelForCausalLM.from_base(base, num_heads=1).eval()
+    return _WRAPPERS[base]
+
+
 def decode_bpd(model, inputs: dict, max_new_tokens: int, tree_widths: Sequence[int] | None = None,
                tree_leaves_as_drafts: bool = False, **options):
-    """`model.generate()` with drafting heads; `tree_widths` are cut to the heads in use."""
+    """`model.generate()` with drafting heads; `tree_widths` are cut to the heads in use. Plain decoding through the
+    compiled machinery (`use_heads=False`) also serves a plain base: it runs in a wrapper with one unused head."""
     if not hasattr(model, "heads"):
-        raise MethodSkipped("the model has no drafting heads (a plain base model): pass a heads checkpoint")
+        if options.get("use_heads", True):
+            raise MethodSkipped("the model has no drafting heads (a plain base model): pass a heads checkpoint")
+        model = _plain_wrapper(model)
     if tree_widths is not None:
         in_use = options.get("num_heads_to_use") or model.generation_config.num_heads_to_use or model.config.num_heads
         widths = tuple(tree_widths)[:in_use]
