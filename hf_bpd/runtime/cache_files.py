@@ -13,6 +13,7 @@ from pathlib import Path
 
 logger = logging.getLogger("hf_bpd")
 LOCK = "build.lock"  # held by whoever builds in an artifact folder
+ATTEMPTS = "attempts-{graph}"  # background builds of a graph whose worker has not ended (a death leaves it counted)
 LOCK_WAIT = 3600  # seconds a builder waits for another's build in the same folder (an artifact takes minutes)
 
 
@@ -94,8 +95,25 @@ def inductor_cache_env() -> dict:
     return {"TORCHINDUCTOR_CACHE_DIR": str(cache_dir() / "inductor")}
 
 
+def claim_lock(directory: Path):
+    """The folder's build lock, taken without waiting, or None when a build holds it (or it cannot be opened, as a
+    symbolic link cannot)."""
+    import fcntl
+
+    try:
+        lock = open_lock(directory)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        return None
+    return lock
+
+
 @contextlib.contextmanager
-def _inductor_cache():
+def inductor_cache():
     """inductor's build cache under `inductor_cache_env()` while an artifact compiles."""
     saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ.update(inductor_cache_env())
@@ -108,7 +126,7 @@ def _inductor_cache():
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
 
 
-def _wait_for_lock(lock, directory: Path, log=None) -> None:
+def wait_for_lock(lock, directory: Path, log=None) -> None:
     """Take `directory`'s build lock, waiting at most `LOCK_WAIT` seconds for a build under way (saying so once)."""
     import fcntl
 

@@ -32,10 +32,12 @@ def _positions(nbytes: int, size: int) -> np.ndarray:
 
 def _probe(param: torch.Tensor) -> bytes:
     data = param.detach()
-    if data.device.type != "cpu" or not data.is_contiguous():
-        data = data.contiguous().cpu()
+    size = data.element_size()
+    if data.device.type != "cpu" or not data.is_contiguous():  # gather the probed elements first, then copy them
+        elements = torch.as_tensor(_positions(data.numel() * size, size)[::size] // size, device=data.device)
+        data = data.reshape(-1)[elements].cpu()
     raw = data.reshape(-1).view(torch.uint8).numpy()
-    return raw[_positions(raw.size, data.element_size())].tobytes()
+    return raw[_positions(raw.size, size)].tobytes()
 
 
 def marker(base) -> tuple:
