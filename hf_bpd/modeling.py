@@ -26,8 +26,8 @@ from .generation.stopping import stop_strings_as_criteria
 from .heads import CACHE_NAME, BlockwiseParallelOutput, DraftHeads, heads_placement, next_token_loss
 from .runtime.artifacts import preload as preload_artifact
 from .runtime.int8_weights import quantize_int8_weights, split_int8_weights
-from .hub.bundled import (attach_rescorer, bundle_fields, inside, load_bundled, load_feature_drafter,
-                          load_heads_config, merge_base_adapter)
+from .hub.bundled import (BundledRescorers, attach_rescorer, bundle_fields, inside, load_bundled,
+                          load_feature_drafter, load_heads_config, merge_base_adapter)
 from .hub.base_models import check_causal_lm, check_fingerprint, fingerprint, load_base_model
 from .hub.checkpoints import check_heads_header, load_heads_state, push_saved, resolve_checkpoint_dir, save_checkpoint
 
@@ -45,10 +45,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "base_lm"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
-    _supports_sdpa = True
-    _supports_flash_attn = True
-    _supports_flex_attn = True
-    _supports_attention_backend = True
+    _supports_sdpa = _supports_flash_attn = _supports_flex_attn = _supports_attention_backend = True
 
     def __init__(self, config: BlockwiseParallelConfig, base_model: PreTrainedModel | None = None):
         super().__init__(config)
@@ -73,7 +70,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         self.heads.to(**heads_placement(base_model))
         self.generation_config = BlockwiseGenerationConfig.from_base(base_model.generation_config)
         self.last_generation_stats: GenerationStats | None = None
-        self.bundled_rescorers: dict = {}  # name -> Rescorer loaded from this checkpoint
+        self.bundled_rescorers = BundledRescorers()  # name -> Rescorer of this checkpoint, loaded on first use
         self._feature_drafter: list = []  # a FeatureDrafter, held outside the module tree (not in the state dict)
         self._bundle_sources: dict[str, Path] = {}
 
@@ -105,12 +102,13 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
                         base_model: PreTrainedModel | str | None = None, config: BlockwiseParallelConfig | None = None,
                         dtype: torch.dtype | str | None = None, device_map=None, attn_implementation: str | None = None,
                         quantization_config=None, ignore_fingerprint_mismatch: bool = False,
-                        **kwargs) -> BlockwiseParallelForCausalLM:
+                        trust_bundled_files: bool = False, **kwargs) -> BlockwiseParallelForCausalLM:
         """Load heads saved by `save_pretrained` (a local directory or a Hub repo id) onto their base model.
 
         The base is `base_model` when given (a model or a name for `load_base`), else the config's
         `base_model_name_or_path`. Its fingerprint must match the one the heads were saved with, unless
         `ignore_fingerprint_mismatch=True`.
+        Bundled rescorers load on first use (`trust_bundled_files`: docs/reliability.md).
 
         `dtype` (default float32; `"auto"`: the base's own), `device_map` (`"cuda"`, `"auto"`, ...),
         `attn_implementation` and `quantization_config` go to the base's `AutoModelForCausalLM.from_pretrained`, as
@@ -121,7 +119,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         int8_weights, quantization_config = split_int8_weights(quantization_config)
         load_options = {k: v for k, v in (("device_map", device_map), ("attn_implementation", attn_implementation),
                                           ("quantization_config", quantization_config)) if v is not None}
-        directory = resolve_checkpoint_dir(pretrained_model_name_or_path, kwargs)
+        directory, downloaded = resolve_checkpoint_dir(pretrained_model_name_or_path, kwargs)
         config = check_heads_header(directory, config if config is not None else load_heads_config(directory))
         if base_model is None:
             if not config.base_model_name_or_path:
@@ -152,7 +150,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         model.heads.load_state_dict(load_heads_state(directory, model.heads, config.draft_vocab), strict=True)
         config.draft_vocab = None  # from here on the ids live in the heads' state
         model.generation_config = load_generation_config(directory, base_model, config)
-        load_bundled(model, directory)  # rescorers, a feature-level drafter
+        load_bundled(model, directory, trusted=trust_bundled_files or not downloaded)
         model.eval()
         preload_artifact(model.base_lm, model.generation_config)  # a step `hf-bpd compile` built
         return model
@@ -172,6 +170,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         `alpha` and fields (`order` for "ngram"; `type`, `num_layers` for "neural"): `generate(rescorer=name)` then
         uses it and `save_pretrained` copies its file(s) into `rescorers/`."""
         attach_rescorer(self, name, Path(path), {"alpha": alpha, **bundle_fields(name, Path(path), fields)})
+        self.bundled_rescorers[name]  # the caller's own file: load now, so a bad one fails here
 
     # ------------------------------------------------------------------ saving
     def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True, **kwargs) -> None:
@@ -212,7 +211,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
     def get_input_embeddings(self):
         return self.base_lm.get_input_embeddings()
 
-    def get_output_embeddings(self):
+    def get_output_embeddings(self):  # the base's: the heads share it
         return self.base_lm.get_output_embeddings()
 
     def get_decoder(self):
@@ -294,7 +293,6 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         return finish_stats(stats, result, prompt, start)
 
 
-# `AutoConfig` / `AutoModelForCausalLM.from_pretrained(dir)` know the model type once this module is imported
-# (`import hf_bpd` imports it, except inside the `hf-bpd` command, which imports what it needs when it needs it).
+# `AutoConfig` / `AutoModelForCausalLM.from_pretrained(dir)` know the model type once this module is imported.
 AutoConfig.register(BlockwiseParallelConfig.model_type, BlockwiseParallelConfig, exist_ok=True)
 AutoModelForCausalLM.register(BlockwiseParallelConfig, BlockwiseParallelForCausalLM, exist_ok=True)

@@ -1,9 +1,17 @@
 """What a heads checkpoint holds besides the heads: its config, the rescorers bundled with it (`rescorers/` +
 `config.json`'s `rescorers`) and an optional LoRA adapter merged into the base (`base_adapter`). Paths in config.json
-name files inside the checkpoint directory only."""
+name files inside the checkpoint directory only.
+
+Bundled rescorers load on first use, so `from_pretrained` parses nothing but JSON and safetensors. A file that native
+code parses (a KenLM binary) is read from a Hub download only when its sha256 is pinned outside that repo: by
+hf_bpd's list of the files of the checkpoints it publishes (`packaged/bundled_files.txt`), or by the caller
+(`from_pretrained(..., trust_bundled_files=True)`, which accepts the hashes in the repo's config.json). A local
+directory is the user's own: its config.json's hashes are a corruption check."""
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+from functools import lru_cache
 from pathlib import Path
 
 from ..configuration import BlockwiseParallelConfig
@@ -42,6 +50,9 @@ def merge_base_adapter(base_model, adapter: Path):
 
     from ..rescorers.neural import quiet_peft
 
+    if not (adapter / "adapter_model.safetensors").is_file():
+        raise CheckpointError(f"the base adapter {adapter} holds no adapter_model.safetensors (only safetensors are "
+                              "read): save it again with save_pretrained, or remove base_adapter from config.json")
     try:
         with quiet_peft():
             return PeftModel.from_pretrained(base_model, adapter).merge_and_unload()
@@ -67,9 +78,10 @@ def bundle_fields(name: str, path: Path, fields: dict) -> dict:
     return fields
 
 
-def attach_rescorer(model, name: str, path: Path, spec: dict) -> None:
-    """Load the rescorer `name` from `path` and attach it to `model` (`bundle_rescorer`, and `from_pretrained` for
-    the config's): `generate(rescorer=name)` uses it, `save_pretrained` copies its file into `rescorers/`."""
+def attach_rescorer(model, name: str, path: Path, spec: dict, trusted: bool = True) -> None:
+    """Attach the rescorer `name` stored at `path` to `model`, loaded on first use (`bundle_rescorer`, and
+    `from_pretrained` for the config's): `generate(rescorer=name)` uses it, `save_pretrained` copies its file into
+    `rescorers/`."""
     if not path.exists():
         raise CheckpointError(f"bundled {name} rescorer {path} is missing: rebuild it or remove it from "
                               "config.json's 'rescorers'")
@@ -78,22 +90,77 @@ def attach_rescorer(model, name: str, path: Path, spec: dict) -> None:
         raise CheckpointError(f"the bundled {name} rescorer's alpha must be a number >= 0, got {alpha!r}: fix "
                               "config.json's 'rescorers' (hf-bpd tune-alpha --save writes it)")
     spec = {**spec, "alpha": float(alpha)}
-    try:
-        model.bundled_rescorers[name] = rescorer_class(name).from_bundle(model.base_lm, path, **spec)
-    except TypeError as err:  # a field the rescorer does not take (a tampered or foreign config)
-        raise CheckpointError(f"config.json's 'rescorers.{name}' holds a field the {name} rescorer does not take "
-                              f"({err}): remove it") from None
+    rescorer_class(name)  # an unknown name fails here, not at the first generate()
+    model.bundled_rescorers.defer(name, lambda: _load_rescorer(model.base_lm, name, path, spec, trusted))
     model._bundle_sources[name] = path
     model.config.rescorers[name] = {"path": f"rescorers/{path.name}", **spec}
 
 
-def load_bundled(model, directory: Path) -> None:
-    """Attach what a checkpoint bundles besides its heads: its rescorers and a feature-level drafter."""
+def _load_rescorer(base_model, name: str, path: Path, spec: dict, trusted: bool):
+    cls = rescorer_class(name)
+    if cls.parses_natively and not trusted:
+        from ..rescorers.kenlm import file_sha256
+
+        if file_sha256(path) not in pinned_files():
+            raise CheckpointError(f"the {name} rescorer's {path.name} came from the Hub and native code would parse it, "
+                                  "but only that repo vouches for its sha256: if you trust the repo, load it with "
+                                  "from_pretrained(..., trust_bundled_files=True), or pass rescorer=None")
+    try:
+        return cls.from_bundle(base_model, path, **spec)
+    except TypeError as err:  # a field the rescorer does not take (a tampered or foreign config)
+        raise CheckpointError(f"config.json's 'rescorers.{name}' holds a field the {name} rescorer does not take "
+                              f"({err}): remove it") from None
+
+
+@lru_cache(maxsize=1)
+def pinned_files() -> frozenset[str]:
+    """sha256 of the bundled files of the checkpoints hf_bpd publishes (`packaged/bundled_files.txt`)."""
+    lines = (Path(__file__).parent / "packaged" / "bundled_files.txt").read_text().splitlines()
+    return frozenset(line.split()[0] for line in lines if line.strip() and not line.startswith("#"))
+
+
+class BundledRescorers(MutableMapping):
+    """name -> Rescorer, each bundled one loaded (and trust-checked) when first asked for."""
+
+    def __init__(self):
+        self._loaded, self._pending = {}, {}
+
+    def defer(self, name: str, load) -> None:
+        self._loaded.pop(name, None)
+        self._pending[name] = load
+
+    def __getitem__(self, name):
+        if name in self._pending:
+            self._loaded[name] = self._pending[name]()
+            del self._pending[name]
+        return self._loaded[name]
+
+    def __setitem__(self, name, rescorer):
+        self._pending.pop(name, None)
+        self._loaded[name] = rescorer
+
+    def __delitem__(self, name):
+        if self._pending.pop(name, None) is None:
+            del self._loaded[name]
+
+    def __contains__(self, name):  # without loading
+        return name in self._loaded or name in self._pending
+
+    def __iter__(self):
+        return iter([*self._loaded, *self._pending])
+
+    def __len__(self):
+        return len(self._loaded) + len(self._pending)
+
+
+def load_bundled(model, directory: Path, trusted: bool) -> None:
+    """Attach what a checkpoint bundles besides its heads: its rescorers (loaded on first use; `trusted`: files
+    native code parses may be read on the checkpoint's own hashes) and a feature-level drafter (safetensors)."""
     from .checkpoints import FEATURE_DRAFTER_DIR
 
     for name, spec in model.config.rescorers.items():
         attach_rescorer(model, name, inside(directory, spec["path"], f"rescorers.{name}.path"),
-                        {k: v for k, v in spec.items() if k != "path"})
+                        {k: v for k, v in spec.items() if k != "path"}, trusted)
     if (directory / FEATURE_DRAFTER_DIR / "drafter.safetensors").is_file():
         model.load_feature_drafter(directory / FEATURE_DRAFTER_DIR)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -17,16 +18,15 @@ HEADS_WEIGHTS_NAME = "heads.safetensors"
 FEATURE_DRAFTER_DIR = "feature_drafter"  # a feature-level drafter beside the heads (`hf_bpd.feature_drafter`)
 
 
-def resolve_checkpoint_dir(name_or_path: str | os.PathLike, hub_kwargs: dict) -> Path:
-    """A local directory, else a Hub snapshot of the repo id (one-line error when neither is found; a repo that is
-    neither cached nor reachable, or not cached under `HF_HUB_OFFLINE`, fails before any Hub call)."""
+def resolve_checkpoint_dir(name_or_path: str | os.PathLike, hub_kwargs: dict) -> tuple[Path, bool]:
+    """`(directory, downloaded)`: a local directory, else a Hub snapshot of the repo id holding only the files its
+    config.json names (one-line error when neither is found; a repo that is neither cached nor reachable, or not
+    cached under `HF_HUB_OFFLINE`, fails before any Hub call). `downloaded`: the files came from a Hub repo."""
     path = Path(name_or_path).expanduser() if isinstance(name_or_path, (str, os.PathLike)) else None
     if path is not None and path.is_dir():
-        return path
+        return path, is_hub_snapshot(path)
     if path is not None and (looks_like_path(str(name_or_path)) or path.exists()):
         raise CheckpointError(f"{name_or_path} is not a directory: pass the directory save_pretrained wrote")
-    from huggingface_hub import snapshot_download
-
     allowed = {k: hub_kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in hub_kwargs}
     if not allowed.get("local_files_only") and "cache_dir" not in allowed:
         try:
@@ -34,14 +34,40 @@ def resolve_checkpoint_dir(name_or_path: str | os.PathLike, hub_kwargs: dict) ->
         except BaseModelError as err:
             raise CheckpointError(str(err)) from None
         if kind == "hub-cache":
-            return Path(where)
+            return Path(where), True
+    from huggingface_hub import hf_hub_download, snapshot_download
+
     try:
-        return Path(snapshot_download(str(name_or_path), **allowed))
+        with open(hf_hub_download(str(name_or_path), "config.json", **allowed)) as f:
+            patterns = checkpoint_files(json.load(f))
+        return Path(snapshot_download(str(name_or_path), allow_patterns=patterns, **allowed)), True
     except Exception as err:  # noqa: BLE001 - any Hub failure becomes one actionable line
         raise CheckpointError(
             f"could not find heads {name_or_path!r} locally or on the Hub ({type(err).__name__}): pass a local "
             "directory written by save_pretrained"
         ) from None
+
+
+def is_hub_snapshot(directory: Path) -> bool:
+    """Whether `directory` is (inside) a Hub cache snapshot, `.../models--<org>--<name>/snapshots/<revision>/`."""
+    def inside_snapshot(parts) -> bool:
+        return any(a.startswith("models--") and b == "snapshots" for a, b in zip(parts, parts[1:]))
+
+    return inside_snapshot(directory.absolute().parts) or inside_snapshot(directory.resolve().parts)
+
+
+def checkpoint_files(config: dict) -> list[str]:
+    """The files `from_pretrained` reads, as the Hub's `allow_patterns`: the configs, the heads and, inside the
+    folders config.json names, JSON and safetensors only (never pickles or code). Names that leave the checkpoint
+    match nothing here and fail later with `hub.bundled.inside`'s error."""
+    patterns = ["config.json", "generation_config.json", HEADS_WEIGHTS_NAME,
+                f"{FEATURE_DRAFTER_DIR}/*.json", f"{FEATURE_DRAFTER_DIR}/*.safetensors"]
+    rescorers = config.get("rescorers") if isinstance(config.get("rescorers"), dict) else {}
+    named = [spec.get("path") for spec in rescorers.values() if isinstance(spec, dict)] + [config.get("base_adapter")]
+    for name in named:
+        if isinstance(name, str) and name and not Path(name).is_absolute() and ".." not in Path(name).parts:
+            patterns += [name, f"{name}/*.json", f"{name}/*.safetensors"]
+    return patterns
 
 
 def check_heads_header(directory: Path, config):

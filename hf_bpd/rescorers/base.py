@@ -29,6 +29,9 @@ class Rescorer:
     name: ClassVar[str | None] = None  # set by `register_rescorer`
     # Ceiling of `work(...)` (docs/reliability.md "Ceilings"): a call whose estimate exceeds it is refused up front.
     max_work: ClassVar[int] = MAX_RESCORING_WORK  # 64 (draft_top_k) x 64 (num_drafts) x 4 heads
+    # Whether `from_bundle` hands its file to native code (not safetensors): such a file from the Hub needs a hash
+    # pinned outside its repo (`hf_bpd.hub.bundled`).
+    parses_natively: ClassVar[bool] = False
 
     @classmethod
     def for_model(cls, model) -> Rescorer:

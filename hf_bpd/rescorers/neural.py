@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -54,6 +55,9 @@ class NeuralRescorer(Rescorer):
                     **fields) -> "NeuralRescorer":
         """A bundled neural rescorer: `type="base_prefix"` is a LoRA adapter directory over the base's first
         `num_layers` layers; `type="model"` is any causal LM directory with the base vocabulary."""
+        if type in ("base_prefix", "model") and not any(Path(path).glob("*.safetensors")):
+            raise CheckpointError(f"the neural rescorer in {path} holds no safetensors weights (only safetensors are "
+                                  "read): save it again with save_pretrained")
         if type == "base_prefix":
             from peft import PeftModel
 
@@ -70,7 +74,7 @@ class NeuralRescorer(Rescorer):
                                      ) from None
         elif type == "model":
             try:
-                lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+                lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
             except Exception as err:  # noqa: BLE001
                 raise CheckpointError(f"the neural rescorer in {path} cannot be loaded ({type(err).__name__}: "
                                      f"{_first_line(err)}): restore it or retrain it") from None

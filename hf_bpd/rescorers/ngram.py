@@ -134,6 +134,8 @@ class NgramRescorer(Rescorer):
         backend: `"auto"` (compiled if built, else Python with a one-time warning), `"compiled"` or `"python"`.
     """
 
+    parses_natively = True  # KenLM's C++ reads the file, whichever backend
+
     def __init__(self, path, alpha: float = 1.0, order: int | None = None, entropy_adaptive: bool = False,
                  backend: str = "auto", sha256: str | None = None):
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0:
