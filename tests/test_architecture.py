@@ -135,3 +135,31 @@ def test_the_architecture_page_names_every_module():
     named = {token.strip("`") for token in page.split() if token.startswith("`hf_bpd/")}
     stale = [n for n in named if n.rstrip("`.,;:)").endswith((".py", ".cpp")) and not (ROOT / n.rstrip("`.,;:)")).exists()]
     assert stale == []
+
+
+def test_the_decoding_algorithm_reaches_the_runtime_through_one_entry():
+    """`hf_bpd/generation/` imports from `hf_bpd/runtime/` only through `runtime/execution.py`, and names no runner
+    class, graph kind or CPU: which graphs exist and what a machine has stay behind that entry."""
+    graph = import_graph()
+    for name, targets in graph.items():
+        if name.startswith("hf_bpd.generation"):
+            reached = {t for t in targets if t.startswith("hf_bpd.runtime")} - {"hf_bpd.runtime",
+                                                                                "hf_bpd.runtime.execution"}
+            assert not reached, (name, reached)
+    machine_words = ("avx", "amx", "epyc", "xeon", "register", "artifact", "ArtifactRunner", "CompiledRunner",
+                     "BatchedRunner")
+    for path in sorted((PACKAGE / "generation").glob("*.py")):
+        text = path.read_text(encoding="utf-8").lower()
+        assert [w for w in machine_words if w.lower() in text] == [], path.name
+
+
+def test_the_decoding_loops_never_branch_on_a_drafters_type():
+    """The loops ask every drafter the same questions (`generation.drafting.Drafter`): no `isinstance` on a drafter
+    class in the single-sequence and batch loops."""
+    drafters = {"Drafter", "BlockDrafter", "FeatureChainDrafter", "NoDrafter"}
+    for loop in ("decoding.py", "batch.py"):
+        tree = ast.parse((PACKAGE / "generation" / loop).read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+                classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                assert not {getattr(c, "id", None) for c in classes} & drafters, (loop, ast.unparse(node))

@@ -49,7 +49,7 @@ def reference_drafts(monkeypatch, model, prompts, width, kwargs, branching=None,
 
     def row_drafts(drafter, hidden, context, max_length):  # a row's drafts in its node budget
         index, chain = current["by_drafter"][id(drafter)]
-        chain = tuple(chain[: min(drafter.slots, max_length)])
+        chain = tuple(chain[: min(drafter.draft_nodes, max_length)])
         if branching["on"] and len(chain) >= 2 and (current["step"] + index) % 2 == 0:
             return [((chain[0] + 1) % VOCAB,), chain[:-1]], []  # the decoy first, the continuation second
         return [chain], []

@@ -209,16 +209,19 @@ def test_prompt_lookup_drafts_are_verified_and_decode_exactly(one_thread, option
 
 
 @pytest.mark.parametrize("compile", [False, True])
-def test_a_compiled_chain_shares_its_slots_with_the_copy(one_thread, compile):
-    """The drafter's rule, eager model: with `slots` (set by compiled decoding) the chain and a copy of up to
-    `slots` tokens compete for them, the copy winning where it is likelier to be accepted; the block has one
-    length."""
+def test_a_compiled_chain_shares_its_nodes_with_the_copy(one_thread, compile):
+    """The drafter's rule, eager model: with `draft_nodes` (the compiled step's cheap block) the chain and a copy of
+    up to `draft_nodes` tokens compete for them, the copy winning where it is likelier to be accepted; the block has
+    one length."""
     from hf_bpd.generation.drafting import BlockDrafter
 
     model = random_bpd("llama", 7)
     drafter = BlockDrafter(model.heads, 3, prompt_lookup=True)
     drafter.calibration = HeadCalibration([1.0], [[0.1]] * 3, lookup=[0.9])  # unreliable heads, reliable copy
-    drafter.slots = 3 if compile else None
+    if compile:  # a chain with the copy takes the verifier's cheap block
+        drafter.take_cheap_block(4)
+    assert drafter.draft_nodes == (3 if compile else None)
+    drafter.set_draft_nodes(3 if compile else None)
     hidden = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     context = [5, 6, 7, 8, 9, 5, 6]
     drafts, _ = drafter.drafts(hidden, context, 10)
@@ -228,7 +231,7 @@ def test_a_compiled_chain_shares_its_slots_with_the_copy(one_thread, compile):
         assert drafts[-1] == (7, 8, 9) and len(drafts) == 2 and drafter.max_block_length() == 7
     # 7 slots (a compiled block of 8): the copy may be longer than the chain, and the chain keeps what is left
     long_context = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 5, 6]
-    drafter.slots = 7 if compile else None
+    drafter.set_draft_nodes(7 if compile else None)
     drafts, _ = drafter.drafts(hidden, long_context, 10)
     if compile:
         assert drafts == [(7, 8, 9, 10, 11, 12, 13)] and drafter.max_block_length() == 8

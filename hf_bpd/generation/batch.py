@@ -5,8 +5,8 @@ decoding keeps them: they share one cache in which each row's tokens occupy some
 it kept fewer tokens than another row (`hf_bpd.generation.batch_cache`). Each row's positions count only its own
 tokens, so rotary embeddings see every row as if it were alone, and a step's 4D mask per row opens its valid slots
 and its tree's ancestors. The prompt pass runs eagerly over the left-padded batch. The steps run the eager base on a
-`DynamicCache` (finished rows leave it), or a compiled batched step on a static cache (`hf_bpd.runtime.batched`):
-with `compile=True` an fp32 base's artifact (built once per machine, nothing compiled in the call; eagerly while it is
+`DynamicCache` (finished rows leave it), or a compiled batched step on a static cache (`execution.batch_runner`):
+with `compile=True` an fp32 base's step built once per machine (nothing compiled in the call; eagerly while it is
 being built; finished rows leave its steps at once), with `compile="wait"` steps compiled per shape in the call
 (finished rows ride along until the rest fit a smaller runner), also for a bf16 / int8-weight base on hf_bpd's
 kernels (whose prompts then run one by one, each as a lone call's compiled prompt pass).
@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-import warnings
 
 import torch
 from transformers import LogitsProcessorList
@@ -46,12 +45,9 @@ from transformers.generation.logits_process import (EncoderNoRepeatNGramLogitsPr
 
 from ..errors import BPDConfigError
 from ..kv_cache import CACHE_NAME
-from ..runtime.batched import batched_lock
-from ..runtime.compiled import head_top_k
-from ..runtime.int8_heads import int8_heads_step
+from ..runtime import execution
 from .batch_cache import RaggedCache, StaticRaggedCache
 from .batch_width import BatchWidth, batch_chains, forward_costs, shadow_accepted
-from .drafting import BlockDrafter
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import DecodedSequence
 from .tree import DraftTree, GreedyRows, choose_token, walk, walk_greedy
@@ -101,15 +97,16 @@ def _rows_heads_step(model, drafter, int8):
     """The int8 heads kernel's step for every row of a step in one call (`Int8HeadsStep.rows`: each weight read once
     for all rows), resolved once per call, or None when it does not serve these heads here (`heads_int8=False`, not
     on a CPU, ...)."""
-    if int8 is False or not isinstance(drafter, BlockDrafter):
+    request = drafter.heads_step_request() if int8 is not False else None
+    if request is None:
         return None
-    return int8_heads_step(model.heads, head_top_k(drafter.top_k, model.config.draft_size), warn=int8 is True)
+    return execution.eager_heads_step(*request, model.config.draft_size, warn=int8 is True)
 
 
 def _budgeted(drafter) -> bool:
     """Whether a row's drafter can fill any node budget best-first (its paths and prompt lookup's copy competing
     for the block, `BlockDrafter.drafts`): heads drafters without a fixed sparse tree."""
-    return isinstance(drafter, BlockDrafter) and drafter.tree_choices is None
+    return drafter.fills_any_budget
 
 
 def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: dict, num_heads: int,
@@ -120,12 +117,10 @@ def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: di
     probe is due, shadow drafts are kept for the `PROBE_ROWS` rows probed longest ago: each one's best path as its
     drafter rescores it, or the heads' argmax chain for drafters that cannot take a budget). The heads run once for the
     rows drafted (`heads_step`, the int8 kernel's `_rows_heads_step`, when given: `(log-probabilities, draft-vocabulary
-    indices)`, `(rows, heads, top_k)` each). A probe's shadow drafts stand for what a drafted step would verify: the
-    heads' argmax chains were accepted less often than the drafter's paths (SmolLM2, 32 dev prompts x 96 in batches of
-    4, 84 probes: first token 0.38 against 0.52 for the rescored best path, 0.49 for the best single node a 2-token
-    block verifies), so they held back widths that paid. A probe of every row cost as much as a quarter of a plain step
-    at 16 rows (a 16-row heads call 13.3 ms and 16 rescorings ~1.4 ms each against a ~65-130 ms step, AMD EPYC AVX2, 2
-    threads), so a probe drafts a few rows, in turn."""
+    indices)`, `(rows, heads, top_k)` each). A probe's shadow drafts stand for what a drafted step would verify (the
+    heads' argmax chains are accepted less often than the drafter's paths, and would hold back widths that pay).
+    Probing every row of a large batch costs a sizeable share of a plain step, so a probe drafts a few rows, in
+    turn."""
     left = [generation_config.max_length - row.sequence.shape[1] for row in active]  # the step's token included
     width = policy.choose([row.index for row in active], left, computed)
     chains, drafting_ms, budgeted = None, None, _budgeted(plan.drafter)
@@ -145,17 +140,17 @@ def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: di
                 row = active[r]
                 if left[r] <= 1:
                     continue
-                row.drafter.slots = width - 1
+                row.drafter.set_draft_nodes(width - 1)
                 if tops is not None:  # this row's share of the heads call
-                    row.drafter.head_top = lambda hidden, token, v=tops[0][k], i=tops[1][k]: (v, i)
+                    row.drafter.use_heads_step(lambda hidden, token, v=tops[0][k], i=tops[1][k]: (v, i))
                 trees[r] = DraftTree(row.drafter.drafts(row.hidden, row.tokens, min(left[r], width) - 1)[0])
         elif width == 1 and budgeted:  # a probe: each row's best path as its drafter rescores it (see below)
             chains = {}
             for k, r in enumerate(drafted):
                 row = active[r]
                 if tops is not None:
-                    row.drafter.head_top = lambda hidden, token, v=tops[0][k], i=tops[1][k]: (v, i)
-                chains[r] = list((row.drafter.head_drafts(row.hidden, row.tokens, num_heads)[0] or [()])[0])
+                    row.drafter.use_heads_step(lambda hidden, token, v=tops[0][k], i=tops[1][k]: (v, i))
+                chains[r] = list(row.drafter.best_draft(row.hidden, row.tokens, num_heads))
         else:
             if tops is not None:
                 rows_chains = model.heads.to_vocab_ids(tops[1][:, :num_heads, 0]).tolist()
@@ -175,37 +170,6 @@ def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: di
             shadows[row.index] = (list(chains[r]), len(row.tokens))
         row.stats.draft_probs.append([])
     return trees
-
-
-def _compiled_runner(base, rows: int, needed_length: int, wait: bool):
-    """A compiled batched runner of `base` for `rows` rows holding `needed_length` tokens (`hf_bpd.runtime.batched`),
-    or None (with a one-line warning) when batches of this base cannot run compiled. `compile=True` (not `wait`):
-    the base's artifact's runner (`ArtifactBatchedRunner`), or None, silently, while the artifact is being built in
-    the background (`hf_bpd.runtime.background`; bases it cannot serve say why); its one-token and two-token steps
-    run the artifact's batch steps once they are built (their builds start with the first such batch)."""
-    from ..runtime import artifacts, background
-    from ..runtime.batched import batched_artifact_unsupported_reason, batched_runner, batched_unsupported_reason
-
-    reason, artifact = batched_unsupported_reason(base), None
-    if reason is None and not wait:
-        reason = batched_artifact_unsupported_reason(base, rows)
-        if reason is not None:
-            reason += ': compile="wait" compiles its batched steps in the call'
-        else:
-            artifact = background.ready_artifact(base)
-            if artifact is None:  # being built in the background
-                return None
-    runner = batched_runner(base, rows, needed_length, artifact) if reason is None else None
-    if runner is not None and artifact is not None:
-        batch_steps = rows > 1 and artifacts.one_token_unsupported_reason(base) is None
-        runner.one_token = background.ready_artifact(base, artifacts.ONE_TOKEN) if batch_steps else None
-        # the two-token batch step, built after the one-token one (one build at a time per artifact)
-        runner.two_tokens = background.ready_artifact(base, artifacts.TWO_TOKENS) if batch_steps else None
-    if reason is None and runner is None:
-        reason = f"a static cache of {rows} rows x {needed_length} tokens would be too large"
-    if runner is None:
-        warnings.warn(f"hf_bpd: the batch verifies eagerly ({reason})", stacklevel=5)
-    return runner
 
 
 def _row_processors(logits_processor, row: int):
@@ -281,20 +245,17 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
     stats.rows = []
     rows = []
     for r in range(batch):
-        drafter = copy.copy(plan.drafter)
-        if getattr(drafter, "rescorer", None) is not None:
-            drafter.rescorer = drafter.rescorer.for_call()
-            drafter.rescorer.reset()
+        drafter = plan.drafter.for_row()
         row_stats = GenerationStats(method=stats.method)
         stats.rows.append(row_stats)
         rows.append(_Row(r, input_ids[r], pads[r], drafter, stopping_criteria, row_stats, keep_scores, keep_logits,
                          streamers[r] if streamers is not None else None))
 
     with contextlib.ExitStack() as held:  # a compiled batch holds its runners' lock until it ends
-        runner, needed = None, generation_config.max_length + getattr(plan.drafter, "num_heads", 0) + 1
+        runner, needed = None, generation_config.max_length + plan.drafter.depth + 1
         if plan.compile and not plan.row_drafts:
-            held.enter_context(batched_lock())
-            runner = _compiled_runner(base, batch, needed, plan.compile == "wait")
+            held.enter_context(execution.batched_lock())
+            runner = execution.batch_runner(base, batch, needed, plan.compile == "wait")
         ragged, logits, hidden = _prompt_pass(model, input_ids, mask, runner, needed)
         stats.verifier = ragged.runner.kind if isinstance(ragged, StaticRaggedCache) else "eager"
         logits = logits.float()
@@ -309,13 +270,13 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
 
         active = [row for row in rows if not row.stopped]
         ragged.select(torch.tensor([row.index for row in active], dtype=torch.long, device=device))
-        num_heads = getattr(plan.drafter, "num_heads", 0)  # 0: plain steps (`use_heads=False`)
+        num_heads = plan.drafter.depth  # 0: plain steps (`use_heads=False`)
         policy, heads_step = None, None
         if not plan.row_drafts:
             heads_step = _rows_heads_step(model, plan.drafter, plan.heads_int8) if num_heads else None
             # the widest block: as many nodes as the heads' chain (each width is a compiled shape of its own; a
             # batch step's cost grows with rows x width, so wider blocks have not paid)
-            # the costs: an artifact's runner times its own steps (the eager forward's table misjudges them)
+            # the costs: a prebuilt step's runner times its own steps (the eager forward's table misjudges them)
             costs = ragged.measured_costs(num_heads + 1) if num_heads else {}
             policy = BatchWidth(costs if 1 in costs else forward_costs(base, len(active) * (num_heads + 1)),
                                 num_heads + 1, batch)

@@ -13,16 +13,18 @@ each row's valid slots to the right (left padding).
   all `max_cache_len` slots and its attention reads the slots up to the block, so a hole costs one masked slot until
   the cache is full: it is compacted then. Nothing moves after a verification: the slots a row rejected stay where
   they are, as holes, and the cache grows to the last slot any row kept (moving 30 layers' kept entries cost ~1.5 ms
-  a step for 4 SmolLM2 rows). On the artifact's runner (dynamic rows) a finished row leaves at once: an active row
-  held past the active count moves into its cache row, and steps compute the first `active` rows only. On a runner
-  compiled per shape, finished rows stay in the step (masked, their results unread) until the rows left fit a runner
-  of a quarter as many rows (`SHRINK`; runners of 1, 4, 16, ... rows): they move there, so the shapes a process
-  compiles (each ~1 min for SmolLM2) stay few and are reused.
+  a step for 4 SmolLM2 rows). On a runner with dynamic rows (a prebuilt step) a finished row leaves at once: an
+  active row held past the active count moves into its cache row, and steps compute the first `active` rows only.
+  On a runner compiled per shape, finished rows stay in the step (masked, their results unread) until the rows left
+  fit a runner of a quarter as many rows (`SHRINK`; runners of 1, 4, 16, ... rows): they move there, so the shapes
+  a process compiles stay few and are reused.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..runtime import execution
 
 COMPACT_HOLES = 0.25  # a dynamic cache is compacted when compacting would free this share of its slots
 SHRINK = 4  # a static cache's rows move to a runner of 1/SHRINK as many rows once they fit it (few shapes to compile)
@@ -161,7 +163,7 @@ class StaticRaggedCache:
     """The static cache of a compiled batched step, as a `RaggedCache` (see the module docstring).
 
     Args:
-        runner: a `hf_bpd.runtime.batched.BatchedRunner` with at least as many rows as the batch.
+        runner: a batched runner (`execution.batch_runner`) with at least as many rows as the batch.
         cache: the prompt pass's `DynamicCache` (`(rows, heads, P, head_dim)` per layer), copied in.
         valid: `(rows, P)` its valid slots.
     """
@@ -182,15 +184,12 @@ class StaticRaggedCache:
         """`(cache, last logits (rows, vocab), last hidden states (rows, hidden_size))` of the prompt pass on an
         ordered runner: each row's prompt runs alone on the base's single-sequence compiled runner, as a lone call's
         prompt pass does (`CompiledVerifier.prefill`), and its keys/values are copied to the row's slots here."""
-        from ..runtime.compiled import compiled_runner
-        from ..runtime.compiled_verifier import CompiledVerifier
-
-        single = compiled_runner(runner.base, needed_length)
+        single, prefill = execution.lone_prefill(model, needed_length)
         logits, hidden = [], []
         with single.lock, torch.no_grad():
             for r in range(valid.shape[0]):
                 prompt = input_ids[r, valid[r]][None]
-                row_logits, row_hidden = CompiledVerifier(model, single).prefill(prompt)
+                row_logits, row_hidden = prefill(prompt)
                 logits.append(row_logits[0])
                 hidden.append(row_hidden)
                 n, length = prompt.shape[1], valid.shape[1]
@@ -237,8 +236,8 @@ class StaticRaggedCache:
         return {self.runner.rows * w: ms for w, ms in self.runner.width_ms.items()}
 
     def measured_costs(self, max_width: int) -> dict[int, float]:
-        """`{tokens: ms}` of the runner's steps of up to `max_width` tokens a row, timed on it (an artifact's runner;
-        empty for runners compiled per shape, timed as they compile: `step_costs`)."""
+        """`{tokens: ms}` of the runner's steps of up to `max_width` tokens a row, timed on it (a prebuilt step's
+        runner; empty for runners compiled per shape, timed as they compile: `step_costs`)."""
         measure = getattr(self.runner, "measured_costs", None)
         return measure(max_width) if measure is not None else {}
 
@@ -326,8 +325,6 @@ class StaticRaggedCache:
         """Keep only active rows `rows` (finished rows leave). On a dynamic-rows runner the active rows move into the
         first cache rows (a row past them fills a finished row's place) and steps compute only those; else the batch
         moves to a runner of fewer rows when they fit one."""
-        from ..runtime.batched import batched_runner
-
         self.rows = self.rows.index_select(0, rows)
         count = len(self.rows)
         if self.dynamic:
@@ -336,7 +333,7 @@ class StaticRaggedCache:
         size = self._runner_rows(count)
         if count == 0 or size == self.runner.rows:
             return
-        smaller = batched_runner(self.runner.base, size, self.runner.max_cache_len, self.runner.artifact)
+        smaller = execution.smaller_batch_runner(self.runner, size)
         if smaller is None or smaller is self.runner:
             return
         length = self.length

@@ -4,19 +4,18 @@ A batched step verifies a block of `W` tokens per row (the row's last token and 
 row padded to the same `W`), so it costs one base forward over `rows x W` tokens, `cost(rows * W)`. Row `r` is
 expected to gain `E_r(W) = 1 + sum_{j < W} prod_{d <= j} p_{r,d}` tokens from it, where `p_{r,d}` is its running
 rate of accepting its draft token at depth `d` once the ones before it were accepted. A batch runs until its slowest
-row is done, and a row that is done leaves the step (at once on the artifact's runner, whose rows are dynamic; on a
-runner compiled per shape once the rows left fit one of a quarter as many rows). So each step takes the `W` that,
+row is done, and a row that is done leaves the step (at once on a prebuilt step's runner, whose rows are dynamic;
+on a runner compiled per shape once the rows left fit one of a quarter as many rows). So each step takes the `W` that,
 held from now on, finishes every row soonest (`finish_ms`): row `r` finishes after `left_r / E_r(W)` steps, and until
 then each step costs `cost(computed * W)` for the rows the step computes plus `drafting` for the active rows; a wider
 block only when it beats the best narrower one by `MARGIN`; `W = 1` is a plain step (nothing drafted, nothing
 padded). A row that accepts nothing sets the pace of a batch whose rows all have as much left (every drafted step
 then costs more for no sooner end); rows that accept much finish early and leave cheaper steps behind. `drafting` is
-the running per-row time of this call's drafted steps' drafting (each row's drafter rescores its paths: 0.5–3 ms a
-row, growing with the depths it rescores), kept apart from the shadow probes' (every head and the rescoring of each
+the running per-row time of this call's drafted steps' drafting (each row's drafter rescores its paths, a cost
+growing with the depths it rescores), kept apart from the shadow probes' (every head and the rescoring of each
 row's best path over all of them), which stand in only until a drafted step has run. On a CPU a forward's cost
-grows with its tokens (SmolLM2, eager, AMD EPYC: ~110 ms for a batch of 16 one-token rows, ~160 for 16 two-token
-rows), so a batch of 16 rows verifying 8 tokens each lost to plain batched decoding; the switch verifies the depths
-that pay, and none when none do.
+grows with its tokens, so a large batch verifying long blocks loses to plain batched decoding; the switch verifies
+the depths that pay, and none when none do.
 
 The estimates can err where the realized steps do not: each step's tokens per row per millisecond (its drafting,
 or a plain step's shadow drafts, included) go into two decaying rates, plain and drafted steps (`delivered`). While
@@ -26,16 +25,14 @@ plain by `GUARD_MARGIN` instead of `MARGIN`.
 The rates: each row counts, per depth, the draft tokens it had verified (`tries`) and accepted (`hits`), shrunk
 towards the batch's pooled rate at that depth (`PRIOR` pseudo-observations; the batch's own towards `START_RATE`),
 then lowered by `CONFIDENCE` standard errors of that estimate. A batch ends with its slowest row, and a row seen
-little may be that row: on the mean rates a batch of 16 drafted from its first steps on a pooled rate its slowest
-rows did not reach (SmolLM2 fp32, Intel Xeon, 2 threads, 32 dev prompts x 96, against plain batches on the artifact
-in the same process: 0.95x at 16 rows, 1.14x at 4; lowered by half a standard error 1.01x and 1.13x; by one 0.99–1.04x
-(never drafting) and 1.10–1.13x).
+little may be that row: on the mean rates a large batch drafts from its first steps on a pooled rate its slowest
+rows do not reach (docs/performance.md, "Batches").
 While plain steps run nothing is verified, so every `PROBE_EVERY`-th plain step (every `4 * PROBE_EVERY`-th while no
 width comes within `HOPELESS` of paying) drafts anyway for the `PROBE_ROWS` rows probed longest ago (one batched
 heads call, then each one's best path as its drafter rescores it: what a drafted step would verify first) and the
 drafts are scored against the tokens the rows then decode ("shadow" drafts: counted like verified ones, at no
-verification cost; a few rows a probe, in turn, since probing all 16 rows of a batch cost up to a quarter of a plain
-step on a 2-core AMD EPYC). The first
+verification cost; a few rows a probe, in turn, since probing every row of a large batch costs a sizeable share of
+a plain step). The first
 step of a call is plain: it measures what a step of this batch costs before any width is weighed. The costs: the
 base's eager forward of `n` tokens on this machine, measured once per process at a few lengths and interpolated
 (`forward_costs`), then corrected by the call's own steps as they come in: a step's measured time (forward,
@@ -67,9 +64,9 @@ COST_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # forwards measured for the t
 
 def forward_costs(base, max_tokens: int) -> dict[int, float]:
     """`{n: ms}` of the base's eager forward of `n` tokens at `COST_LENGTHS` up to the first one covering
-    `max_tokens` (`hf_bpd.runtime.cost.eager_costs_at`: the stored `hf-bpd profile` table where it has them, else
+    `max_tokens` (`hf_bpd.runtime.execution.eager_costs_at`: the stored `hf-bpd profile` table where it has them, else
     measured now, once per process)."""
-    from ..runtime.cost import eager_costs_at
+    from ..runtime.execution import eager_costs_at
 
     lengths = [n for n in COST_LENGTHS if n < max_tokens] + [next((n for n in COST_LENGTHS if n >= max_tokens),
                                                                   max_tokens)]

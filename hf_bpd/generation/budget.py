@@ -206,11 +206,11 @@ class DraftBudget:
 
 
 def eager_costs(base, max_length: int, past: int = 128, repeats: int = 3) -> dict[int, float]:
-    """`{n: ms}` of eager base forwards of n = 1, 2, 4, ... and max_length tokens (`hf_bpd.runtime.cost.eager_costs_at`:
-    the stored `hf-bpd profile` table, else the lengths measured before on this machine, else measured now). A block
+    """`{n: ms}` of eager base forwards of n = 1, 2, 4, ... and max_length tokens (`execution.eager_costs_at`: the
+    stored `hf-bpd profile` table, else the lengths measured before on this machine, else measured now). A block
     is charged at the cheapest measured length that holds it (`DraftBudget.charge`), so these lengths price every
-    block; measuring all of 1..8 took 3.4 s in a SmolLM2 call's first step (fp32, AMD EPYC, 2 threads)."""
-    from ..runtime.cost import eager_costs_at
+    block; measuring every length up to 8 would cost a call's first step seconds."""
+    from ..runtime.execution import eager_costs_at
 
     lengths = sorted({max_length, *(2**i for i in range(max_length.bit_length()) if 2**i <= max_length)})
     return eager_costs_at(base, lengths, past=past, repeats=repeats)

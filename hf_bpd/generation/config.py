@@ -3,7 +3,7 @@
 | field | default | meaning |
 | --- | --- | --- |
 | `use_heads` | `True` | `False` decodes plainly with the base (no drafting option may then be set) |
-| `rescorer` | `None` | `None`/`"none"`: the heads' scores; a registered name (`hf_bpd.available_rescorers()`), the checkpoint's bundled one of that name; or a `hf_bpd.Rescorer` (per call only) |
+| `rescorer` | `None` | `None`/`"none"`: the heads' scores; a rescorer's name (`hf_bpd.available_rescorers()`), the checkpoint's bundled one of that name; or a `hf_bpd.Rescorer` (per call only) |
 | `draft_top_k` | `None` | lattice width k (None: 1 for plain BPD, 16 when rescoring or verifying several drafts) |
 | `num_drafts` | `1` | p: drafts verified together per step (> 1: tree verification) |
 | `num_heads_to_use` | `None` | draft with only the first heads (None: all) |
@@ -14,7 +14,7 @@
 | `drafter` | `"heads"` | what drafts: `"heads"` (the drafting heads, with the options above) or `"feature"` (the checkpoint's feature-level drafter, `hf_bpd.generation.feature_drafting`: a chain of `draft_depth` tokens, plus prompt lookup's copy; one prompt at a time; the heads' options do not apply) |
 | `draft_depth` | `None` | the feature-level drafter's chain length (None: 4) |
 | `draft_schedule` | `"fixed"` | `"fixed"`: verify every drafted token; `"cost"`: per step, verify only the drafted tokens expected to pay for their verification cost (calibrated head confidences x the machine's measured forward costs; `hf_bpd.generation.budget`); `"switch"`: verify every drafted token, but decode plain one-token steps while this call's drafted steps yield fewer tokens per ms than plain ones would, probing now and then with unverified drafts (`hf_bpd.generation.step_switch`) |
-| `compile` | `False` | verify with a compiled step on a reused static cache (`hf_bpd.generation.verify`); with `use_heads=False` too, for compiled plain decoding. On a CPU the step is an artifact built once per machine (`hf-bpd compile`); a call never waits for it: while it is missing it is built in the background and the call verifies eagerly. `"wait"`: build it in the call if need be (benchmarks). Elsewhere (GPUs, `HF_BPD_OFF=artifacts`) `torch.compile` compiles in the first calls. Batches (fp32, and bf16 / int8 weights on hf_bpd's CPU kernels) compile only with `"wait"`: each rows × block-width shape in the call that first meets it (`hf_bpd.runtime.batched`) |
+| `compile` | `False` | verify with a compiled step on a reused static cache (`hf_bpd.generation.verify`); with `use_heads=False` too, for compiled plain decoding. On a CPU the step is built once per machine (`hf-bpd compile`); a call never waits for it: while it is missing it is built in the background and the call verifies eagerly. `"wait"`: build it in the call if need be (benchmarks). Elsewhere (GPUs, or prebuilt steps turned off: docs/reliability.md) `torch.compile` compiles in the first calls. Batches (fp32, and bf16 / int8 weights on hf_bpd's CPU kernels) compile only with `"wait"`: each rows × block-width shape in the call that first meets it (`hf_bpd.runtime.execution.batch_runner`) |
 | `tie_margin` | `None` | greedy: a decoded token whose two best scores are closer than this × max(1, |best|) is decided by the base's own eager `generate()` (`hf_bpd.generation.near_ties`); None: 5e-5 for fp32 bases, 0 (never) for half precision |
 
 Set them once (`model.generation_config.rescorer = "ngram"`, saved with the checkpoint) or per call
@@ -195,7 +195,7 @@ def validate_drafting_values(values: dict, where: str = "") -> dict:
         from ..rescorers.base import Rescorer
 
         if not isinstance(rescorer, Rescorer):
-            raise BPDTypeError(f"{where}rescorer must be a registered name (hf_bpd.available_rescorers()), 'none', "
+            raise BPDTypeError(f"{where}rescorer must be a rescorer's name (hf_bpd.available_rescorers()), 'none', "
                                f"None or a hf_bpd.Rescorer instance, got {type(rescorer).__name__}")
     tree = out.get("tree")
     if tree is not None:

@@ -31,30 +31,29 @@ from ..kv_cache import CACHE_NAME
 from ..limits import MAX_COST_SCHEDULE_BLOCK
 from ..rescorers.base import HeadScoreRescorer
 from ..rescorers.registry import resolve_rescorer
-from ..runtime.compiled import COMPILED_DRAFT_SLOTS, discard_runners, head_top_k
-from ..runtime.frame_stack import on_fresh_frame_stack
-from ..runtime.int8_heads import int8_heads_step
+from ..runtime import execution
 from .batch import decode_batch
 from .budget import SCHEDULES, DraftBudget, HeadCalibration, eager_costs
 from .config import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS, DraftingOptions, _int_value
-from .drafting import BlockDrafter, NoDrafter
+from .drafting import BlockDrafter, Drafter, NoDrafter
 from .feature_drafting import FeatureChainDrafter
 from .near_ties import EagerReferee, default_tie_margin
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .step_switch import StepSwitch
 from .stopping import DecodedSequence
 from .tree import DraftTree, GreedyRows, choose_token, parse_tree, walk, walk_greedy
-from .verify import EagerVerifier, compiled_verifier
+from .verify import EagerVerifier
 
 
 @dataclass
 class DecodingPlan:
     """Everything one `generate()` call drafts with; it lives for that call only (nothing is stored on the model)."""
 
-    drafter: BlockDrafter
+    drafter: Drafter
     stats: GenerationStats
+    calibration: HeadCalibration | None = None  # the heads' measured acceptance rates (`hf-bpd calibrate`)
     streamer: BaseStreamer | None = None
-    compile: bool | str = False  # verify with the compiled step on a static cache (`hf_bpd.runtime.compiled`);
+    compile: bool | str = False  # verify with the compiled step on a static cache (`runtime.execution`);
     # "wait": build / compile it in the call if need be (else eager verification while it builds in the background)
     schedule: str = "fixed"  # "cost": verify only the drafted tokens that pay (`hf_bpd.generation.budget`)
     tie_margin: float | None = None  # greedy near-ties decided by the base's eager generate() (`near_ties`)
@@ -195,8 +194,9 @@ def plan_drafting(model, options: DraftingOptions) -> DecodingPlan:
     method = "tree" if choices is not None else ("p-best" if num_drafts > 1 else "chain")
     method += "+lookup" if options.prompt_lookup else ""
     method += f"/{options.draft_nodes} nodes" if options.draft_nodes is not None and choices is None else ""
+    calibration = HeadCalibration.from_dict(getattr(config, "head_calibration", None))
     drafter = BlockDrafter(model.heads, n, top_k, num_drafts, rescorer, choices, options.prompt_lookup,
-                           options.draft_nodes)
+                           options.draft_nodes, calibration)
     schedule = options.draft_schedule
     if schedule == "cost" and drafter.max_block_length() > MAX_COST_SCHEDULE_BLOCK:
         if "draft_schedule" not in options.explicit:  # the checkpoint's default: this plan verifies every token
@@ -205,8 +205,8 @@ def plan_drafting(model, options: DraftingOptions) -> DecodingPlan:
             raise WorkLimitError(f"draft_schedule='cost' weighs blocks of up to {MAX_COST_SCHEDULE_BLOCK} tokens, "
                                  f"this plan verifies up to {drafter.max_block_length()}: use fewer drafts (num_drafts, "
                                  "tree) or draft_schedule='fixed'")
-    drafter.calibration = HeadCalibration.from_dict(getattr(config, "head_calibration", None))
-    return DecodingPlan(drafter=drafter, stats=GenerationStats(method=method), schedule=schedule)
+    return DecodingPlan(drafter=drafter, stats=GenerationStats(method=method), schedule=schedule,
+                        calibration=calibration)
 
 
 def plan_plain() -> DecodingPlan:
@@ -288,9 +288,9 @@ def check_supported(generation_config, model_kwargs) -> None:
 def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, *,
                        plan: DecodingPlan, **model_kwargs):
     """The `custom_generate` decoding method: draft, verify, accept until a stopping criterion holds. It runs on a
-    frame-stack chunk of its own (`hf_bpd.runtime.frame_stack`): a step's speed does not depend on the caller's stack
-    depth."""
-    return on_fresh_frame_stack(_blockwise_decoding, model, input_ids, logits_processor, stopping_criteria,
+    frame-stack chunk of its own (`execution.on_fresh_frame_stack`): a step's speed does not depend on the caller's
+    stack depth."""
+    return execution.on_fresh_frame_stack(_blockwise_decoding, model, input_ids, logits_processor, stopping_criteria,
                                 generation_config, plan=plan, **model_kwargs)
 
 
@@ -299,67 +299,56 @@ def _blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, g
     check_supported(generation_config, model_kwargs)
     mask = model_kwargs.get("attention_mask")
     padded = mask is not None and not bool(mask.all())
-    if isinstance(plan.drafter, FeatureChainDrafter) and (input_ids.shape[0] > 1 or padded):
+    drafter = plan.drafter
+    if drafter.one_prompt and (input_ids.shape[0] > 1 or padded):
         raise BPDConfigError(f"drafter='feature' decodes one prompt at a time, without padding, got "
                              f"{input_ids.shape[0]}{' padded' if padded else ''}: pass one prompt per call, tokenized "
                              "without padding, or drafter='heads' for batches")
     if input_ids.shape[0] > 1 or padded:  # a batch (or a padded prompt): ragged rows on one cache (`.batch`)
         plan.stats.method += "+batch"
         return decode_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, plan, mask)
-    verifier, runner = None, None
+    compiled = None
     if plan.compile:
         try:
             # One compiled shape per drafting plan (its largest block); "cost" and "switch" also compile the
-            # one-token step.
-            # The heads' lattice comes from a compiled heads step too.
-            drafter = plan.drafter
-            heads = model.heads if isinstance(drafter, BlockDrafter) else None
-            if heads is not None and drafter.slots is None and drafter.prompt_lookup and \
-                    drafter.num_drafts == 1 and drafter.tree_choices is None:
-                drafter.slots = max(COMPILED_DRAFT_SLOTS, drafter.num_heads)  # the chain and the copy share
+            # one-token step, "cost" a block about half as long too. The heads' lattice comes from a heads step.
+            drafter.take_cheap_block(execution.cheap_block_length(model))
             largest = drafter.max_block_length()
+            buckets = sorted({1, largest} if plan.schedule in ("cost", "switch") else {largest})
+            if plan.schedule == "cost" and largest > 2:
+                buckets = sorted({*buckets, 1 + (largest - 1) // 2})
+            heads, top_k = drafter.heads_step_request() or (None, 0)
             # the last step's block is padded to `largest` tokens past the sequence's end: the cache holds them too
-            wait = plan.compile == "wait"
-            start = time.perf_counter()
-            verifier, runner = compiled_verifier(model, generation_config.max_length + largest,
-                                                 model_kwargs.get("attention_mask"), wait) or (None, None)
-            built = time.perf_counter() - start if wait else 0.0  # an artifact built in this call
-            if runner is not None:
-                buckets = sorted({1, largest} if plan.schedule in ("cost", "switch") else {largest})
-                if plan.schedule == "cost" and largest > 2:  # and a block about half as long to choose
-                    buckets = sorted({*buckets, 1 + (largest - 1) // 2})
-                top_k = head_top_k(drafter.top_k, model.config.draft_size) if heads is not None else 0
-                before = sum(runner.compiled_buckets.values()) + sum(runner.compiled_heads.values())
-                blocking = wait or runner.kind == "compiled"  # an artifact runner compiles nothing unless asked
-                runner.warm_up(buckets, input_ids.device, heads, top_k, int8=plan.heads_int8, blocking=blocking)
-                plan.stats.compile_seconds = built + sum(runner.compiled_buckets.values()) + \
-                    sum(runner.compiled_heads.values()) - before
-                verifier.buckets = buckets
-                plan.stats.verifier = runner.kind
-                if heads is not None:
-                    drafter.head_top = runner.heads_step(heads, top_k, int8=plan.heads_int8, blocking=blocking)
+            compiled = execution.compiled_verification(
+                model, buckets, generation_config.max_length + largest, input_ids.device,
+                model_kwargs.get("attention_mask"), plan.compile == "wait", heads, top_k, plan.heads_int8)
+            if compiled is not None:
+                plan.stats.compile_seconds, plan.stats.verifier = compiled.compile_seconds, compiled.kind
+                if compiled.heads_step is not None:
+                    drafter.use_heads_step(compiled.heads_step)
         except Exception as err:  # noqa: BLE001 - a failing compiler must not break generation
             warnings.warn(f"hf_bpd: compiling failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
                           "decoding eagerly", stacklevel=3)
-            discard_runners(model.base_lm)
-            verifier, runner = None, None
-            if isinstance(plan.drafter, BlockDrafter):
-                plan.drafter.slots, plan.drafter.head_top = plan.drafter.draft_nodes, None
-    if verifier is None:
+            execution.discard_compiled(model)
+            compiled = None
+            drafter.set_draft_nodes(None)
+            drafter.use_heads_step(None)
+    if compiled is None:
         verifier = EagerVerifier(model, model_kwargs.get(CACHE_NAME), model_kwargs.get("attention_mask"))
-        if plan.heads_int8 and isinstance(plan.drafter, BlockDrafter):  # asked for eagerly too
-            plan.drafter.head_top = int8_heads_step(model.heads, head_top_k(plan.drafter.top_k,
-                                                                            model.config.draft_size))
+        request = drafter.heads_step_request() if plan.heads_int8 else None
+        if request is not None:  # asked for eagerly too
+            drafter.use_heads_step(execution.eager_heads_step(*request, model.config.draft_size))
+    else:
+        verifier = compiled.verifier
     budget = None
-    if plan.schedule == "cost" and plan.drafter.max_block_length() > 1:
-        costs = {b: runner.bucket_ms[b] for b in verifier.buckets} if runner is not None else \
-            eager_costs(model.base_lm, plan.drafter.max_block_length())
-        budget = DraftBudget(costs, plan.drafter.calibration)
+    if plan.schedule == "cost" and drafter.max_block_length() > 1:
+        costs = compiled.costs if compiled is not None else eager_costs(model.base_lm, drafter.max_block_length())
+        budget = DraftBudget(costs, plan.calibration)
     switch = None
-    if plan.schedule == "switch" and plan.drafter.max_block_length() > 1:
-        plain_ms = runner.bucket_ms.get(1) if runner is not None else None
+    if plan.schedule == "switch" and drafter.max_block_length() > 1:
+        plain_ms = compiled.costs.get(1) if compiled is not None else None
         switch = StepSwitch(plain_ms if plain_ms else eager_costs(model.base_lm, 1)[1])
-    with runner.lock if runner is not None else contextlib.nullcontext():
+    with compiled.lock if compiled is not None else contextlib.nullcontext():
         return _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan, budget,
                        switch)
 
@@ -372,10 +361,10 @@ def _within(drafts: list[tuple[int, ...]], depth: int) -> list[tuple[int, ...]]:
 def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan, budget=None,
             switch=None):
     stats, drafter, streamer = plan.stats, plan.drafter, plan.streamer
-    nodes_weighed = budget is not None and isinstance(drafter, BlockDrafter) and drafter.shares_slots()
+    nodes_weighed = budget is not None and drafter.draft_nodes is not None and drafter.fills_any_budget
     if nodes_weighed:  # a node budget: the drafter verifies the likeliest nodes that pay (`choose_nodes`)
-        drafter.node_count = lambda chances: budget.choose_nodes(
-            chances, overhead_ms=1000 * stats.draft_seconds / len(stats.accepted_lengths))
+        drafter.set_draft_nodes(drafter.draft_nodes, count=lambda chances: budget.choose_nodes(
+            chances, overhead_ms=1000 * stats.draft_seconds / len(stats.accepted_lengths)))
     if isinstance(streamer, (list, tuple)):  # one streamer per row (batches); a batch of one
         if len(streamer) != 1:
             raise BPDConfigError(f"{len(streamer)} streamers for 1 prompt: pass one streamer per prompt")
@@ -390,12 +379,12 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
     plain_greedy = not do_sample and len(logits_processor) == 0 and not keep_scores and not keep_logits
 
     # The prompt pass decodes the first token and gives the hidden state the first block is drafted from.
-    reads_features = isinstance(drafter, FeatureChainDrafter)  # a feature-level drafter reads every position's
-    if reads_features:
+    if drafter.reads_features:
         logits, features = verifier.prefill(input_ids, all_positions=True)
         hidden = features[-1]
     else:
         logits, hidden = verifier.prefill(input_ids)
+        features = hidden[None]
     logits = logits.float()
     processed = logits_processor(input_ids, logits.clone())
     stats.accepted_lengths.append(0)
@@ -404,8 +393,7 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
     if referee is not None:
         referee.settle(input_ids, tokens, step_logits, step_scores, logits_processor)
     decoded.accept(tokens, step_logits, step_scores)
-    if reads_features:
-        drafter.start(features, input_ids, tokens[0])
+    drafter.start(features, input_ids, tokens[0])
 
     while not decoded.stopped:
         start = time.perf_counter()
@@ -450,8 +438,7 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
         kept = [0] + [c + 1 for c in path]
         verifier.keep(len(tree) + 1, kept)
         hidden = block_hidden[position]
-        if reads_features:
-            drafter.observe(block_hidden, kept, tokens)
+        drafter.observe(block_hidden, kept, tokens)
         stats.accepted_lengths.append(len(path))
         stats.draft_tokens.append(len(tree))
         decoded.accept(tokens, step_logits, step_scores)

@@ -16,11 +16,15 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .drafting import Drafter
 from .lookup import prompt_lookup
 
 
-class FeatureChainDrafter:
+class FeatureChainDrafter(Drafter):
     """See the module docstring. `drafter`: a `FeatureDrafter` on the base's device and dtype."""
+
+    reads_features = True
+    one_prompt = True  # its cache follows one sequence
 
     def __init__(self, drafter, depth: int = 4, prompt_lookup: bool = False):
         self.drafter, self.depth, self.prompt_lookup = drafter, depth, prompt_lookup

@@ -24,12 +24,13 @@ class GenerationStats:
     draft_seconds: float = 0.0
     total_seconds: float = 0.0
     method: str = "chain"
-    # Seconds this call waited for compilation: 0 with `compile=True` once an artifact is built (while one is being
-    # built in the background the call verifies eagerly); with `compile="wait"`, building / compiling in the call.
+    # Seconds this call waited for compilation: 0 with `compile=True` once the step for this machine is built (while
+    # it is being built in the background the call verifies eagerly); with `compile="wait"`, building in the call.
     compile_seconds: float = 0.0
-    # What ran the verification forwards: "artifact" (a step built once per machine, `hf-bpd compile`), "compiled"
-    # (`torch.compile` in this process) or "eager"; `verifier_steps` counts the steps each ran (an artifact serves
-    # blocks of up to 16 tokens: a longer block runs eagerly on the same cache unless `compile="wait"`).
+    # What ran the verification forwards, as the runtime names it (`CompiledVerification.kind`: a step built once
+    # per machine by `hf-bpd compile`, or "compiled" by `torch.compile` in this process), or "eager";
+    # `verifier_steps` counts the steps each ran (a prebuilt step serves blocks of up to 16 tokens: a longer block
+    # runs eagerly on the same cache unless `compile="wait"`).
     verifier: str = "eager"
     verifier_steps: dict[str, int] = field(default_factory=dict)
     # `draft_schedule="switch"`: the steps that decoded one plain token because drafting was not paying

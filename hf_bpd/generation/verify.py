@@ -3,10 +3,9 @@
 Two verifiers share one interface (`prefill`, `verify`, `keep`, `close`), so the decoding loop is the same for both:
 
 * `EagerVerifier` (here) runs the base as it is, on the `DynamicCache` transformers prepared for the call.
-* `CompiledVerifier` (`hf_bpd.runtime.compiled_verifier`, `generate(..., compile=True)`) runs a compiled step on a reused
-  static cache: the base's artifact for this machine (`hf_bpd.runtime.artifacts`), else `torch.compile`;
-  `compiled_verifier` below decides whether it can serve a call (while an artifact is being built in the
-  background, calls verify eagerly).
+* the runtime's compiled verifier (`hf_bpd.runtime.execution.compiled_verification`, `generate(..., compile=True)`)
+  runs a compiled step on a reused static cache; it decides whether it can serve a call (while the step for this
+  machine is being built in the background, calls verify eagerly).
 
 If compiling fails, or the base cannot use it (sliding-window layers, a non-decoder layout), generation falls back to
 the eager verifier with a one-line warning.
@@ -14,17 +13,11 @@ the eager verifier with a one-line warning.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from transformers.cache_utils import DynamicCache
 
 from ..kv_cache import CACHE_NAME
-from ..runtime.attention import grouped_query_attention, uses_grouped_attention
-from ..runtime import artifacts, background
-from ..runtime.compiled import ArtifactRunner, compiled_runner
-from ..runtime.compiled_verifier import CompiledVerifier
-from ..runtime.step import compile_unsupported_reason
+from ..runtime.execution import grouped_query_attention, uses_grouped_attention
 from .tree import DraftTree, keep_accepted, tree_attention_masks
 
 
@@ -78,34 +71,3 @@ class EagerVerifier:
         if self.cache.get_seq_length() > length - 1:
             self.cache.crop(-(self.cache.get_seq_length() - (length - 1)))
         return self.cache
-
-
-def compiled_verifier(model, needed_length: int, attention_mask=None, wait: bool = False):
-    """`(CompiledVerifier, runner)` for one call, or `None` when the call verifies eagerly: with a one-line warning
-    when the compiled step cannot serve this base or call, silently while the base's artifact is being built in the
-    background (`hf_bpd.runtime.background`, which announces the build once). With `wait`, a missing artifact is
-    built here first; bases that artifacts cannot serve (and `HF_BPD_OFF=artifacts`) compile with `torch.compile`."""
-    base = model.base_lm
-    reason = compile_unsupported_reason(base)
-    if reason is None and attention_mask is not None:
-        reason = "an attention mask was given"
-    if reason is not None:
-        warnings.warn(f"hf_bpd: compile=True is not used for this call ({reason}); decoding eagerly", stacklevel=4)
-        return None
-    artifact, log = None, lambda line: background.logger.warning("hf_bpd: %s", line)
-    if artifacts.enabled() and artifacts.unsupported_reason(base) is None:
-        if wait:
-            artifact = artifacts.ensure(base, log=log)
-        else:
-            artifact = background.ready_artifact(base)
-            if artifact is None:
-                return None
-    runner = compiled_runner(base, needed_length, artifact)
-    if isinstance(runner, ArtifactRunner):
-        runner.blocking = wait
-        eight = None
-        if artifacts.eight_tokens_unsupported_reason(base) is None:  # AVX2: blocks of 8 on a graph of their own
-            eight = (artifacts.ensure(base, log=log, graph=artifacts.EIGHT_TOKENS) if wait
-                     else background.ready_artifact(base, artifacts.EIGHT_TOKENS))
-        runner.attach_eight_tokens(eight)
-    return CompiledVerifier(model, runner), runner
