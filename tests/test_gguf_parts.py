@@ -99,3 +99,39 @@ def test_install_base_refuses_an_unknown_alias_before_pip(capsys):
         main(["install-base", "qwen-7b"])
     assert exit_.value.code == 2 and "invalid choice: 'qwen-7b'" in capsys.readouterr().err
     assert "tinyparts_part1" not in sys.modules  # nothing was imported from the parts
+
+
+def test_a_second_process_waits_for_a_conversion_under_way_and_finds_it_done(tmp_path):
+    """Converting a packaged base takes its target's lock: a converter that finds the lock held waits, then finds the
+    model complete (config.json, written last by the rename) and converts nothing."""
+    import fcntl
+    import os
+    import threading
+
+    class NeverConverted:  # reading its GGUF would mean converting a second time
+        def gguf(self):
+            raise AssertionError("converted although another process had finished")
+
+    target = tmp_path / "models" / "tiny-alias"
+    target.parent.mkdir()
+    with open(target.parent / ".tiny-alias.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the first converter at work
+        errors = []
+        waiter = threading.Thread(target=lambda: errors.append(
+            _run(base_models._convert_packaged, NeverConverted(), target)))
+        waiter.start()
+        waiter.join(timeout=1.5)
+        assert waiter.is_alive()  # waiting on the lock
+        target.mkdir()
+        (target / "config.json").write_text("{}")
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and errors == [None]
+    assert os.listdir(target) == ["config.json"]
+
+
+def _run(function, *args):
+    try:
+        function(*args)
+    except Exception as err:  # noqa: BLE001 - reported to the test thread
+        return err
+    return None

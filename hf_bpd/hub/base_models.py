@@ -93,7 +93,19 @@ PACKAGED_MODELS = {
 
 
 def _convert_packaged(model: PackagedModel, target: Path) -> None:
-    """Dequantise the GGUF once into a normal HF directory (safetensors + tokenizer) at `target`."""
+    """Dequantise the GGUF once into a normal HF directory (safetensors + tokenizer) at `target`, under a lock per
+    target (one process converts; another waits, bounded and announced, then finds it done)."""
+    from ..runtime.cache_files import wait_for_lock
+
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(target.parent / f".{target.name}.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as lock:
+        wait_for_lock(lock, target.parent)
+        if not (target / "config.json").exists():
+            _convert_unlocked(model, target)
+
+
+def _convert_unlocked(model: PackagedModel, target: Path) -> None:
     gguf = model.gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     lm = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -102,9 +114,8 @@ def _convert_packaged(model: PackagedModel, target: Path) -> None:
     if hasattr(lm.config, "quantization_config"):
         del lm.config.quantization_config
     lm.config.name_or_path = model.hub_id
-    # Written into this process's own temporary folder and renamed into place whole: a reader sees a complete
-    # model or none, and two processes converting at once do not share a folder.
-    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # Written into this process's own temporary folder and renamed into place whole (config.json inside it is the
+    # completion marker): a reader sees a complete model or none.
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".partial-"))
     try:
         lm.save_pretrained(tmp)
