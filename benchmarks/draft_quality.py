@@ -117,7 +117,7 @@ def union_rows(model, drafters, along, budgets, depths, top_ks) -> list[dict]:
     drafter = plan_drafting(model, drafting_options({}, None, model.generation_config)).drafter
     blocks = {}
     for budget in budgets:
-        drafter.slots = budget
+        drafter.set_draft_nodes(budget)
         blocks[budget] = [dq.block_accepted_by_position(drafter, feats, ids, n) for ids, n, feats in along]
     rows = [{"drafts": f"default block, {b} nodes", "block_efficiency":
              dq.block_efficiency([dq.walk(acc) for acc in blocks[b]])} for b in budgets]

@@ -12,6 +12,7 @@ import torch
 
 from hf_bpd.generation import batch as batch_module
 from hf_bpd.generation.batch_cache import StaticRaggedCache
+from hf_bpd.generation.drafting import BlockDrafter
 from hf_bpd.runtime import batched
 from hf_bpd.runtime.kernels import kernels_unsupported_reason
 from tests.conftest import VOCAB
@@ -55,7 +56,7 @@ def reference_drafts(monkeypatch, model, prompts, width, kwargs, branching=None,
         return [chain], []
 
     monkeypatch.setattr(batch_module, "batch_chains", lambda heads, hidden, n: [list(c) for c in current["chains"]])
-    monkeypatch.setattr(batch_module.BlockDrafter, "drafts", row_drafts)
+    monkeypatch.setattr(BlockDrafter, "drafts", row_drafts)
     monkeypatch.setattr(batch_module, "_step_trees", step_trees)
     monkeypatch.setattr(batch_module, "_budgeted", lambda drafter: branching["on"])
     monkeypatch.setattr(batch_module, "forward_costs", lambda base, max_tokens: {1: 1e6, 4096: 1e6})

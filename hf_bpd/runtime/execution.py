@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from .attention import grouped_query_attention, uses_grouped_attention
 from .batched import batched_lock
-from .compiled import COMPILED_DRAFT_SLOTS, compiled_runner, discard_runners, head_top_k
+from . import compiled
+from .compiled import compiled_runner, discard_runners, head_top_k
 from .compiled_verifier import CompiledVerifier
 from .cost import eager_costs_at
 from .frame_stack import on_fresh_frame_stack
@@ -25,7 +26,7 @@ __all__ = ["CompiledVerification", "batch_runner", "batched_lock", "cheap_block_
 def cheap_block_length(model) -> int:
     """The longest block a compiled step verifies for about the price of one token (`COMPILED_DRAFT_SLOTS`): a
     drafter without a node budget of its own may fill it."""
-    return 1 + COMPILED_DRAFT_SLOTS
+    return 1 + compiled.COMPILED_DRAFT_SLOTS
 
 
 @dataclass
@@ -77,8 +78,9 @@ def discard_compiled(model) -> None:
     discard_runners(model.base_lm)
 
 
-def eager_heads_step(heads, top_k: int, draft_size: int, warn: bool = False):
-    """The int8 heads kernel's step for an eager call (None where it does not serve these heads)."""
+def eager_heads_step(heads, top_k: int, draft_size: int, warn: bool = True):
+    """The int8 heads kernel's step for an eager call, or None where it does not serve these heads (saying why once
+    if `warn`)."""
     return int8_heads_step(heads, head_top_k(top_k, draft_size), warn=warn)
 
 
