@@ -113,3 +113,22 @@ def test_self_distill_on_a_device_in_bfloat16(tmp_path, tiny_chat_base, varied_d
     with pytest.raises(SystemExit):
         self_distill(["--model", str(tiny_chat_base), "--prompts", str(varied_data), "--output", str(output),
                       "--device", "nonsense"])
+
+
+def test_self_distill_compiled_batches_give_the_eager_answers(tmp_path, tiny_chat_base, varied_data):
+    """`--compile`: a plain base's batches decode on hf_bpd's compiled batch steps (fp32: the eager answers)."""
+    from hf_bpd.training.self_distill import main as self_distill
+
+    import warnings
+
+    answers = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        output = tmp_path / f"{name}.jsonl"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert self_distill(["--model", str(tiny_chat_base), "--prompts", str(varied_data), "--output",
+                                 str(output), "--limit", "2", "--max-new-tokens", "5", "--batch-size", "2",
+                                 "--threads", "1", *extra]) == 0
+        assert not [w for w in caught if "verifies eagerly" in str(w.message)]  # the compiled steps ran
+        answers[name] = [json.loads(line)["conversations"][1]["value"] for line in output.read_text().splitlines()]
+    assert len(answers["eager"]) == 2 and answers["compiled"] == answers["eager"]

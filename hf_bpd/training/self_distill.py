@@ -47,6 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... or auto (a GPU when there is one)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the base's dtype")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads")
+    p.add_argument("--compile", action="store_true",
+                   help="decode a plain base's batches with hf_bpd's compiled steps (compile='wait': each rows x "
+                        "width shape compiles once per process; bf16 and int8 bases on hf_bpd's CPU kernels)")
     args = p.parse_args(argv)
     if args.device == "auto":
         args.device = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
@@ -93,6 +96,10 @@ def main(argv=None):
     model, tokenizer = load_for_generation(args.model, args.dtype, "cpu")
     drafting = {"compile": False} if hasattr(model, "heads") else {}  # batched drafting is eager
     model.to(args.device)
+    if args.compile and not hasattr(model, "heads"):  # plain decoding through the compiled batch steps
+        from ..evaluation.decoders import _plain_wrapper
+
+        model, drafting = _plain_wrapper(model), {"use_heads": False, "compile": "wait"}
 
     def chat(prompt: str) -> str:
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
