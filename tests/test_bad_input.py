@@ -598,3 +598,36 @@ def test_every_drafting_argument_combination_is_an_error_or_greedy(ngram_path, o
         return
     assert torch.equal(out, expected), options
     assert time.perf_counter() - start < 30
+
+
+def test_the_cost_schedule_from_the_checkpoint_refuses_what_it_cannot_weigh_too():
+    """An option means what it says wherever it comes from: the model's "cost" with a plan it cannot weigh is the
+    same one-line error as the call's (it used to turn into "fixed" silently)."""
+    model = tiny()
+    model.generation_config.draft_schedule = "cost"
+    try:
+        with pytest.raises(WorkLimitError) as err:
+            model.generate(ids(), max_new_tokens=4, num_drafts=16, draft_top_k=4)
+        one_line(err, "draft_schedule='cost' (the model's generation config)", "draft_schedule='fixed'")
+        want = model.base_lm.generate(ids(), max_new_tokens=4, **GREEDY)
+        got = model.generate(ids(), max_new_tokens=4, num_drafts=16, draft_top_k=4, draft_schedule="fixed", **GREEDY)
+        assert torch.equal(got, want)
+    finally:
+        model.generation_config.draft_schedule = "fixed"
+
+
+def test_a_call_passing_the_configured_value_changes_nothing():
+    """Passing a drafting option at the value the model's config holds is no change: a batch keeps the model's
+    cost-aware drafting (it used to switch to drafting each row as asked)."""
+    from hf_bpd.generation.config import drafting_options
+
+    model = tiny()
+    same = drafting_options({"num_drafts": 1, "rescorer": None, "prompt_lookup": False}, None, model.generation_config)
+    assert same.changed == () and set(same.explicit) == {"num_drafts", "rescorer", "prompt_lookup"}
+    other = drafting_options({"num_drafts": 2, "rescorer": None}, None, model.generation_config)
+    assert other.changed == ("num_drafts",)
+    batch = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    model.generate(batch, max_new_tokens=4, num_drafts=1, **GREEDY)
+    assert model.last_generation_stats.method.endswith("cost-aware+batch")
+    model.generate(batch, max_new_tokens=4, num_drafts=2, draft_top_k=2, **GREEDY)
+    assert not model.last_generation_stats.method.endswith("cost-aware+batch")

@@ -17,9 +17,9 @@ copy competing best-first) into the step's node budget; drafters without a budge
 heads) draft the heads' argmax chain. How many nodes the rows verify is decided per step by `batch_width.BatchWidth`
 from the machine's forward costs and the rows' running acceptance: a block only as wide as pays, and plain one-token
 steps (nothing drafted) when drafting does not pay; compiled, the widths are charged the compiled steps' own
-timings. Drafting options given in the call (`DecodingPlan.row_drafts`) make each row draft as they say instead,
-every drafted token verified. Streaming: one streamer per row (`streamer=[...]`), each fed its row's prompt and
-accepted tokens and ended when the row stops.
+timings. Drafting options a call sets to other values than the model's (`DecodingPlan.row_drafts`) make each row
+draft as they say instead, every drafted token verified. Streaming: one streamer per row (`streamer=[...]`), each
+fed its row's prompt and accepted tokens and ended when the row stops.
 
 Each row is decoded exactly as transformers' batched plain `generate()` decodes it: logits processors and stopping
 criteria see the row's left-padded context, as they do there (processors built for the whole batch read the row's

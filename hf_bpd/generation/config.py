@@ -88,6 +88,7 @@ class DraftingOptions:
     drafter: str = "heads"
     draft_depth: int | None = None
     explicit: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()  # the explicit ones whose value differs from the configs' (a default is no change)
 
 
 def drafting_options(kwargs: dict, generation_config: GenerationConfig | None,
@@ -97,14 +98,14 @@ def drafting_options(kwargs: dict, generation_config: GenerationConfig | None,
     `use_heads=False` together with a drafting option set per call is an error: the option would be ignored.
     """
     explicit = {name: kwargs.pop(name) for name in DECODING_OPTIONS + DRAFTING_OPTIONS if name in kwargs}
-    values = {}
+    values, configured = {}, {}
     for name, default in {**DECODING_DEFAULTS, **DRAFTING_DEFAULTS}.items():
-        if name in explicit:
-            values[name] = explicit[name]
-        elif generation_config is not None and hasattr(generation_config, name):
-            values[name] = getattr(generation_config, name)
+        if generation_config is not None and hasattr(generation_config, name):
+            configured[name] = getattr(generation_config, name)
         else:
-            values[name] = getattr(model_config, name, default)
+            configured[name] = getattr(model_config, name, default)
+        values[name] = explicit[name] if name in explicit else configured[name]
+    changed = tuple(n for n in explicit if not _same(explicit[n], configured[n]))
     values = validate_drafting_values(values)
     if values["use_heads"] is False:
         given = [n for n in DRAFTING_OPTIONS if n in explicit]
@@ -133,7 +134,17 @@ def drafting_options(kwargs: dict, generation_config: GenerationConfig | None,
     if values["tree"] is not None and "num_drafts" in explicit and values["num_drafts"] != 1:
         raise BPDConfigError(f"tree= drafts the tree's rank paths, so num_drafts={values['num_drafts']} would be "
                              "ignored: drop num_drafts, or pass tree=None (p-best drafts)")
-    return DraftingOptions(**values, explicit=tuple(explicit))
+    return DraftingOptions(**values, explicit=tuple(explicit), changed=changed)
+
+
+def _same(given, configured) -> bool:
+    """Whether a call's option value is the configs' (lists and tuples alike: a tree read from JSON is a list)."""
+    if isinstance(given, (list, tuple)) and isinstance(configured, (list, tuple)):
+        return len(given) == len(configured) and all(_same(a, b) for a, b in zip(given, configured))
+    try:
+        return type(given) is type(configured) and bool(given == configured)
+    except Exception:  # noqa: BLE001 - a rescorer instance or tensor compares as not the same
+        return given is configured
 
 
 def _int_value(name: str, value, low: int, high: int | None, where: str = "") -> int:

@@ -198,13 +198,11 @@ def plan_drafting(model, options: DraftingOptions) -> DecodingPlan:
     drafter = BlockDrafter(model.heads, n, top_k, num_drafts, rescorer, choices, options.prompt_lookup,
                            options.draft_nodes, calibration)
     schedule = options.draft_schedule
-    if schedule == "cost" and drafter.max_block_length() > MAX_COST_SCHEDULE_BLOCK:
-        if "draft_schedule" not in options.explicit:  # the checkpoint's default: this plan verifies every token
-            schedule = "fixed"
-        else:
-            raise WorkLimitError(f"draft_schedule='cost' weighs blocks of up to {MAX_COST_SCHEDULE_BLOCK} tokens, "
-                                 f"this plan verifies up to {drafter.max_block_length()}: use fewer drafts (num_drafts, "
-                                 "tree) or draft_schedule='fixed'")
+    if schedule == "cost" and drafter.max_block_length() > MAX_COST_SCHEDULE_BLOCK:  # wherever "cost" came from
+        source = "" if "draft_schedule" in options.explicit else " (the model's generation config)"
+        raise WorkLimitError(f"draft_schedule='cost'{source} weighs blocks of up to {MAX_COST_SCHEDULE_BLOCK} tokens, "
+                             f"this plan verifies up to {drafter.max_block_length()}: use fewer drafts (num_drafts, "
+                             "tree) or pass draft_schedule='fixed'")
     return DecodingPlan(drafter=drafter, stats=GenerationStats(method=method), schedule=schedule,
                         calibration=calibration)
 
@@ -214,7 +212,8 @@ def plan_plain() -> DecodingPlan:
     return DecodingPlan(drafter=NoDrafter(), stats=GenerationStats(method="plain-compiled"))
 
 
-# the drafting options that, given in a call, make each row of a batch draft as they say (`DecodingPlan.row_drafts`)
+# the drafting options that, set by a call to another value than the model's, make each row of a batch draft as they
+# say (`DecodingPlan.row_drafts`)
 ROW_DRAFTING_OPTIONS = ("rescorer", "num_drafts", "tree", "draft_top_k", "prompt_lookup", "draft_nodes",
                         "draft_schedule")
 
@@ -225,7 +224,7 @@ def plan_call(model, options: DraftingOptions, kwargs: dict) -> DecodingPlan:
     plan.compile = options.compile
     plan.tie_margin = options.tie_margin
     plan.heads_int8 = options.heads_int8
-    plan.row_drafts = bool(set(options.explicit) & set(ROW_DRAFTING_OPTIONS))
+    plan.row_drafts = bool(set(options.changed) & set(ROW_DRAFTING_OPTIONS))
     plan.streamer = kwargs.pop("streamer", None)
     return plan
 
