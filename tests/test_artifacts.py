@@ -613,7 +613,9 @@ def test_the_eight_token_step_equals_the_eager_step_and_serves_lone_blocks_of_8(
     runner = next(r for r in _RUNNERS[base].values() if isinstance(r, ArtifactRunner))
     assert runner.eight_tokens is not None and runner._costs_path() == kept
     runner.warm_up([1, 8], torch.device("cpu"))
-    assert {"1", "8"} <= set(json.loads(kept.read_text()))
+    # kept in its own table (both lengths, or the newly timed one alone when the suite's load timed 8 tokens clearly
+    # under 1: `ArtifactRunner.warm_up` keeps no table it finds out of order)
+    assert set(json.loads(kept.read_text())) & {"1", "8"}
     runner.attach_eight_tokens(None)  # back on the step: its own table
     assert runner._costs_path() == directory / compiled.STEP_COSTS_FILE
     _RUNNERS.pop(base, None)
