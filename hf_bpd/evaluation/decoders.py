@@ -211,7 +211,7 @@ def decode_early_exit(model, inputs: dict, max_new_tokens: int, layer: int | Non
 _WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # plain base -> its compiled plain wrapper
 
 
-def _plain_wrapper(base):
+def plain_wrapper(base):
     """`base` wrapped with one fresh head (never drafted with), kept per base so its compiled steps are reused."""
     from ..modeling import BlockwiseParallelForCausalLM
 
@@ -227,7 +227,7 @@ def decode_bpd(model, inputs: dict, max_new_tokens: int, tree_widths: Sequence[i
     if not hasattr(model, "heads"):
         if options.get("use_heads", True):
             raise MethodSkipped("the model has no drafting heads (a plain base model): pass a heads checkpoint")
-        model = _plain_wrapper(model)
+        model = plain_wrapper(model)
     if tree_widths is not None:
         in_use = options.get("num_heads_to_use") or model.generation_config.num_heads_to_use or model.config.num_heads
         widths = tuple(tree_widths)[:in_use]

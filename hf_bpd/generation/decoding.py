@@ -290,7 +290,7 @@ def blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, ge
     frame-stack chunk of its own (`execution.on_fresh_frame_stack`): a step's speed does not depend on the caller's
     stack depth."""
     return execution.on_fresh_frame_stack(_blockwise_decoding, model, input_ids, logits_processor, stopping_criteria,
-                                generation_config, plan=plan, **model_kwargs)
+                                          generation_config, plan=plan, **model_kwargs)
 
 
 def _blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, *,
@@ -360,7 +360,7 @@ def _within(drafts: list[tuple[int, ...]], depth: int) -> list[tuple[int, ...]]:
 def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan, budget=None,
             switch=None):
     stats, drafter, streamer = plan.stats, plan.drafter, plan.streamer
-    nodes_weighed = budget is not None and drafter.draft_nodes is not None and drafter.fills_any_budget
+    nodes_weighed = budget is not None and drafter.budgeted()
     if nodes_weighed:  # a node budget: the drafter verifies the likeliest nodes that pay (`choose_nodes`)
         drafter.set_draft_nodes(drafter.draft_nodes, count=lambda chances: budget.choose_nodes(
             chances, overhead_ms=1000 * stats.draft_seconds / len(stats.accepted_lengths)))

@@ -31,6 +31,10 @@ class Drafter:
         """The most tokens one verification can hold: the last token plus every draft node."""
         return 1
 
+    def budgeted(self) -> bool:
+        """A node budget is in effect: the drafter fills `draft_nodes` nodes best-first."""
+        return self.draft_nodes is not None and self.fills_any_budget
+
     def set_draft_nodes(self, nodes: int | None, count=None) -> None:
         """Fill `nodes` draft nodes per verification (None: the call's own budget); `count(chances)`: how many of
         the likeliest nodes, given their chances of being accepted, to verify (None: all)."""
@@ -116,10 +120,6 @@ class BlockDrafter(Drafter):
         if self.tree_choices is not None:
             return 1 + len(self.tree_choices) + lookup
         return 1 + self.num_heads * self.num_drafts + lookup
-
-    def budgeted(self) -> bool:
-        """A node budget is in effect: the drafts and the copy compete for `draft_nodes` nodes."""
-        return self.draft_nodes is not None and self.fills_any_budget
 
     def set_draft_nodes(self, nodes: int | None, count=None) -> None:
         self.draft_nodes = self.asked_nodes if nodes is None else nodes

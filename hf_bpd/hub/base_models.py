@@ -95,11 +95,10 @@ PACKAGED_MODELS = {
 def _convert_packaged(model: PackagedModel, target: Path) -> None:
     """Dequantise the GGUF once into a normal HF directory (safetensors + tokenizer) at `target`, under a lock per
     target (one process converts; another waits, bounded and announced, then finds it done)."""
-    from ..runtime.cache_files import wait_for_lock
+    from ..runtime.cache_files import open_lock, wait_for_lock
 
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(target.parent / f".{target.name}.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as lock:
+    with open_lock(target.parent, f".{target.name}.lock") as lock:
         wait_for_lock(lock, target.parent)
         if not (target / "config.json").exists():
             _convert_unlocked(model, target)

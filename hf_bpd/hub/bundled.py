@@ -17,6 +17,7 @@ from pathlib import Path
 from ..configuration import BlockwiseParallelConfig
 from ..errors import CheckpointError
 from ..rescorers.registry import rescorer_class
+from .checkpoints import FEATURE_DRAFTER_DIR, leaves_checkpoint
 
 
 def inside(directory: Path, relative, field: str) -> Path:
@@ -25,7 +26,7 @@ def inside(directory: Path, relative, field: str) -> Path:
     if not isinstance(relative, str) or not relative:
         raise CheckpointError(f"{directory / 'config.json'}: {field} must be a file name inside the checkpoint, got "
                               f"{relative!r}: restore config.json")
-    if Path(relative).is_absolute() or ".." in Path(relative).parts:  # lexically: Hub snapshots hold symlinks
+    if leaves_checkpoint(relative):
         raise CheckpointError(f"{directory / 'config.json'}: {field}={relative!r} points outside the checkpoint "
                               f"directory: restore config.json")
     return directory / relative
@@ -102,8 +103,8 @@ def _load_rescorer(base_model, name: str, path: Path, spec: dict, trusted: bool)
         from ..rescorers.kenlm import file_sha256
 
         if file_sha256(path) not in pinned_files():
-            raise CheckpointError(f"the {name} rescorer's {path.name} came from the Hub and native code would parse it, "
-                                  "but only that repo vouches for its sha256: if you trust the repo, load it with "
+            raise CheckpointError(f"the {name} rescorer's {path.name} came from the Hub and native code would parse "
+                                  "it, but only that repo vouches for its sha256: if you trust the repo, load it with "
                                   "from_pretrained(..., trust_bundled_files=True), or pass rescorer=None")
     try:
         return cls.from_bundle(base_model, path, **spec)
@@ -156,8 +157,6 @@ class BundledRescorers(MutableMapping):
 def load_bundled(model, directory: Path, trusted: bool) -> None:
     """Attach what a checkpoint bundles besides its heads: its rescorers (loaded on first use; `trusted`: files
     native code parses may be read on the checkpoint's own hashes) and a feature-level drafter (safetensors)."""
-    from .checkpoints import FEATURE_DRAFTER_DIR
-
     for name, spec in model.config.rescorers.items():
         attach_rescorer(model, name, inside(directory, spec["path"], f"rescorers.{name}.path"),
                         {k: v for k, v in spec.items() if k != "path"}, trusted)

@@ -48,6 +48,12 @@ def resolve_checkpoint_dir(name_or_path: str | os.PathLike, hub_kwargs: dict) ->
         ) from None
 
 
+def leaves_checkpoint(relative: str) -> bool:
+    """Whether a name from config.json points outside the checkpoint (absolute, or through `..`), judged lexically:
+    Hub snapshots hold symbolic links."""
+    return Path(relative).is_absolute() or ".." in Path(relative).parts
+
+
 def is_hub_snapshot(directory: Path) -> bool:
     """Whether `directory` is (inside) a Hub cache snapshot, `.../models--<org>--<name>/snapshots/<revision>/`."""
     def inside_snapshot(parts) -> bool:
@@ -65,7 +71,7 @@ def checkpoint_files(config: dict) -> list[str]:
     rescorers = config.get("rescorers") if isinstance(config.get("rescorers"), dict) else {}
     named = [spec.get("path") for spec in rescorers.values() if isinstance(spec, dict)] + [config.get("base_adapter")]
     for name in named:
-        if isinstance(name, str) and name and not Path(name).is_absolute() and ".." not in Path(name).parts:
+        if isinstance(name, str) and name and not leaves_checkpoint(name):
             patterns += [name, f"{name}/*.json", f"{name}/*.safetensors"]
     return patterns
 

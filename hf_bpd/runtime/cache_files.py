@@ -82,9 +82,10 @@ def distrusted(directory: Path) -> bool:
     return problem is not None
 
 
-def open_lock(directory: Path):
-    """The folder's build lock file, opened for writing without following a symbolic link (`O_NOFOLLOW`)."""
-    fd = os.open(directory / LOCK, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def open_lock(directory: Path, name: str = LOCK):
+    """The folder's lock file `name` (the build lock by default), opened for writing without following a symbolic
+    link (`O_NOFOLLOW`)."""
+    fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     return os.fdopen(fd, "w")
 
 

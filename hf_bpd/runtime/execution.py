@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .attention import grouped_query_attention, uses_grouped_attention
 from .batched import batched_lock
@@ -41,7 +41,6 @@ class CompiledVerification:
     kind: str
     compile_seconds: float = 0.0
     heads_step: object = None
-    block_lengths: list[int] = field(default_factory=list)
 
 
 def compiled_verification(model, block_lengths: list[int], needed_length: int, device, attention_mask=None,
@@ -70,7 +69,7 @@ def compiled_verification(model, block_lengths: list[int], needed_length: int, d
         discard_runners(model.base_lm)
         raise
     return CompiledVerification(verifier, {b: runner.bucket_ms[b] for b in block_lengths}, runner.lock, runner.kind,
-                                seconds, step, list(block_lengths))
+                                seconds, step)
 
 
 def discard_compiled(model) -> None:

@@ -97,9 +97,9 @@ def main(argv=None):
     drafting = {"compile": False} if hasattr(model, "heads") else {}  # batched drafting is eager
     model.to(args.device)
     if args.compile and not hasattr(model, "heads"):  # plain decoding through the compiled batch steps
-        from ..evaluation.decoders import _plain_wrapper
+        from ..evaluation.decoders import plain_wrapper
 
-        model, drafting = _plain_wrapper(model), {"use_heads": False, "compile": "wait"}
+        model, drafting = plain_wrapper(model), {"use_heads": False, "compile": "wait"}
 
     def chat(prompt: str) -> str:
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
