@@ -49,7 +49,7 @@ class BlockwiseParallelConfig(PretrainedConfig):
             on load.
         head_calibration (`dict`, *optional*): measured acceptance rate of each head's drafted token per confidence
             bin (`{"edges": [...], "accept": [[...] per head]}`), written by `hf-bpd calibrate` and read by
-            `draft_schedule="cost"` (`hf_bpd.generation.budget`).
+            `draft_schedule="cost"` (`hf_bpd.generation.controller`).
     """
 
     model_type = "blockwise_parallel"
@@ -169,7 +169,7 @@ class BlockwiseParallelConfig(PretrainedConfig):
             raise BPDConfigError(f"draft_vocab_size must be an integer in [1, {self.vocab_size}] (the base vocabulary), "
                                  f"got {self.draft_vocab_size!r}")
         if self.head_calibration is not None:
-            from .generation.budget import HeadCalibration
+            from .generation.calibration import HeadCalibration
 
             HeadCalibration.from_dict(self.head_calibration)  # raises a one-line error when malformed
         from .rescorers.registry import available_rescorers

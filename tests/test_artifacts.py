@@ -438,7 +438,7 @@ def test_a_drafting_batch_on_the_artifact_weighs_widths_by_the_runners_costs(bui
     def no_table(*args, **kw):
         raise AssertionError("the eager forward's table was read")
 
-    monkeypatch.setattr(batch, "forward_costs", no_table)
+    monkeypatch.setattr(batch, "eager_costs", no_table)
     out = model.generate(ids, attention_mask=mask, compile=True, **kwargs)
     assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
     assert model.last_generation_stats.verifier == "artifact"

@@ -357,7 +357,7 @@ def test_light_copies_of_names_agree_with_their_sources():
     """The command line and the limits keep copies of a few names so that they import nothing heavy."""
     from hf_bpd import cli, limits
     from hf_bpd.evaluation.decoders import DEFAULT_METHODS
-    from hf_bpd.generation.budget import SCHEDULES
+    from hf_bpd.generation.config import SCHEDULES
     from hf_bpd.generation.config import SCHEDULES as SCHEDULE_NAMES
     from hf_bpd.generation.tree import MAX_TREE_NODES
     from hf_bpd.hub.base_models import PACKAGED_MODELS

@@ -279,12 +279,12 @@ def test_the_width_follows_costs_and_acceptance():
     """`BatchWidth.choose`: flat costs take the widest block, costs growing with every token a plain step; rows that
     accept everything make a wide block pay where rows that accept nothing do not; the width that finishes every row
     soonest wins (rows leave as they finish); timings replace the table."""
-    from hf_bpd.generation.batch_width import BatchWidth, shadow_accepted
+    from hf_bpd.generation.controller import BatchWidth, shadow_accepted
 
     def width(costs, rows, max_width=5):  # after a call's first step, plain, timed as the table says
         policy = BatchWidth(costs, max_width=max_width, rows=rows)
         assert policy.choose(list(range(rows))) == 1
-        policy.timing(rows, policy.tabled(rows))
+        policy.costs.timing(rows, policy.costs.tabled(rows))
         return policy
 
     flat = width({1: 10.0, 64: 10.0}, 4)
@@ -293,7 +293,7 @@ def test_the_width_follows_costs_and_acceptance():
     assert flat.choose([0, 1, 2, 3]) == 3
     steep = width({1: 10.0, 64: 640.0}, 4)
     assert steep.choose([0, 1, 2, 3]) == 1
-    assert steep.cost(8) == pytest.approx(80.0) and steep.cost(128) == pytest.approx(1280.0)
+    assert steep.costs(8) == pytest.approx(80.0) and steep.costs(128) == pytest.approx(1280.0)
     # cost(n) = 10 + n: rows that accept every draft token pay for the widest block, rows that never do for none
     sloped = {1: 11.0, 256: 266.0}
     good, bad = width(sloped, 16), width(sloped, 16)
@@ -317,8 +317,8 @@ def test_the_width_follows_costs_and_acceptance():
     assert lagging.finish_ms([1.0] * 16, [10] * 16, 1) == pytest.approx(10 * 26.0)
     good = lagging
     for _ in range(10):  # this call's own steps: plain ones as the table says, wide ones far slower
-        good.timing(16, 26.0)
-        good.timing(80, 10_000.0)
+        good.costs.timing(16, 26.0)
+        good.costs.timing(80, 10_000.0)
     assert good.choose(list(range(16)), remaining=[10] * 15 + [2]) < 5
     assert shadow_accepted([4, 5, 6], [4, 5, 9, 9]) == (3, 2) and shadow_accepted([4, 5, 6], [4]) == (1, 1)
 
@@ -326,12 +326,12 @@ def test_the_width_follows_costs_and_acceptance():
 def test_a_rate_seen_little_counts_for_less_than_the_same_rate_seen_much(monkeypatch):
     """The width choice lowers each row's rate by `CONFIDENCE` standard errors: 3 of 5 drafts accepted do not pay
     for a block that 240 of 400 pay for (the same rate); without the lowering both would draft."""
-    from hf_bpd.generation import batch_width
-    from hf_bpd.generation.batch_width import BatchWidth
+    from hf_bpd.generation import controller
+    from hf_bpd.generation.controller import BatchWidth
 
     def policy(tries, hits):
         p = BatchWidth({1: 10.0, 2: 14.5, 4096: 1e6}, 2, 1)
-        p.timing(1, 10.0)
+        p.costs.timing(1, 10.0)
         for i in range(tries):
             p.record(0, 1, int(i < hits))
         return p
@@ -339,18 +339,18 @@ def test_a_rate_seen_little_counts_for_less_than_the_same_rate_seen_much(monkeyp
     little, much = policy(5, 3), policy(400, 240)
     assert little.rates(0)[0] < 0.5 < 0.58 < much.rates(0)[0] < 0.6
     assert little.choose([0]) == 1 and much.choose([0]) == 2
-    monkeypatch.setattr(batch_width, "CONFIDENCE", 0.0)
+    monkeypatch.setattr(controller, "CONFIDENCE", 0.0)
     assert little.choose([0]) == 2
 
 
 def test_drafted_steps_that_deliver_less_than_plain_ones_raise_the_bar():
     """The realized guard: a width the estimates favour by ~10 % is taken until this call's drafted steps have
     delivered fewer tokens per ms than its plain steps; a clear win (over `GUARD_MARGIN`) still drafts."""
-    from hf_bpd.generation.batch_width import GUARD_STEPS, BatchWidth
+    from hf_bpd.generation.controller import GUARD_STEPS, BatchWidth
 
     def policy(cost_two):
         p = BatchWidth({1: 10.0, 2: cost_two, 4096: 1e6}, 2, 1)
-        p.timing(1, 10.0)
+        p.costs.timing(1, 10.0)
         for _ in range(20):
             p.record(0, 1, 1)  # every draft accepted: a width of 2 gains ~2 tokens
         return p
@@ -371,10 +371,10 @@ def test_drafted_steps_that_deliver_less_than_plain_ones_raise_the_bar():
 def test_drafted_widths_are_charged_what_drafting_the_rows_costs():
     """The shadow probes' per-row time stands in for drafting's cost only until a drafted step ran; then a drafted
     width is charged the drafted steps' own per-row time, for the rows of the step."""
-    from hf_bpd.generation.batch_width import BatchWidth
+    from hf_bpd.generation.controller import BatchWidth
 
     p = BatchWidth({1: 10.0, 4: 20.0, 8: 30.0, 4096: 1e6}, 2, 4)
-    p.timing(4, 20.0)
+    p.costs.timing(4, 20.0)
     for r in range(4):
         for _ in range(20):
             p.record(r, 1, 1)  # every draft accepted: a width of 2 gains ~2 tokens per row
@@ -393,18 +393,18 @@ def test_a_probe_drafts_each_rows_rescored_best_path(monkeypatch):
     drafted step would verify first, each row's best path as its drafter rescores it, not the heads' argmax chain:
     with a rescorer that knows the rows' continuations (random heads' argmax chains are almost never accepted) most
     shadow tokens are accepted, and every row stays exact."""
-    from hf_bpd.generation import batch, batch_width
+    from hf_bpd.generation import batch, controller
 
     scored = []
 
     def recording(draft, decoded):
-        scored.append(batch_width.shadow_accepted(draft, decoded))
+        scored.append(controller.shadow_accepted(draft, decoded))
         return scored[-1]
 
     monkeypatch.setattr(batch, "shadow_accepted", recording)
-    monkeypatch.setattr(batch, "forward_costs", lambda base, max_tokens: {1: 10.0, 4096: 40960.0})
-    monkeypatch.setattr(batch_width, "TIMING_WEIGHT", 0.0)  # the forced table, not this machine's timings
-    monkeypatch.setattr(batch_width, "PROBE_EVERY", 2)  # probes often: a short call scores several
+    monkeypatch.setattr(batch, "eager_costs", lambda base, max_tokens: {1: 10.0, 4096: 40960.0})
+    monkeypatch.setattr(controller, "TIMING_WEIGHT", 0.0)  # the forced table, not this machine's timings
+    monkeypatch.setattr(controller, "PROBE_EVERY", 2)  # probes often: a short call scores several
     model = random_bpd("llama", 0)
     prompts = random_prompts(3, seed=9, longest=20)
     kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=PAD)
@@ -425,11 +425,11 @@ def test_a_probe_drafts_each_rows_rescored_best_path(monkeypatch):
 def test_a_probe_drafts_a_few_rows_in_turn(monkeypatch):
     """A probe drafts at most `PROBE_ROWS` rows, those probed longest ago (a probe of every row cost up to a quarter of
     a plain step at 16 rows): over a call every row is probed and scored, and every row stays exact."""
-    from hf_bpd.generation import batch, batch_width
+    from hf_bpd.generation import batch, controller
 
     probes, policies = [], []
 
-    class Recording(batch_width.BatchWidth):
+    class Recording(controller.BatchWidth):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             policies.append(self)
@@ -440,9 +440,9 @@ def test_a_probe_drafts_a_few_rows_in_turn(monkeypatch):
             super().stepped(width, drafting_ms, rows)
 
     monkeypatch.setattr(batch, "BatchWidth", Recording)
-    monkeypatch.setattr(batch, "forward_costs", lambda base, max_tokens: {1: 10.0, 4096: 40960.0})
-    monkeypatch.setattr(batch_width, "TIMING_WEIGHT", 0.0)  # the forced table: every step plain
-    monkeypatch.setattr(batch_width, "PROBE_EVERY", 2)
+    monkeypatch.setattr(batch, "eager_costs", lambda base, max_tokens: {1: 10.0, 4096: 40960.0})
+    monkeypatch.setattr(controller, "TIMING_WEIGHT", 0.0)  # the forced table: every step plain
+    monkeypatch.setattr(controller, "PROBE_EVERY", 2)
     model = random_bpd("llama", 0)
     prompts = random_prompts(10, seed=5, longest=16)
     kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=PAD)
@@ -451,7 +451,7 @@ def test_a_probe_drafts_a_few_rows_in_turn(monkeypatch):
     assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
     assert sum(n for row in model.last_generation_stats.rows for n in row.draft_tokens) == 0  # every step plain
     (policy,) = policies
-    assert len(probes) >= 3 and max(probes) <= batch_width.PROBE_ROWS, probes  # 10 rows: 3 probes reach all
+    assert len(probes) >= 3 and max(probes) <= controller.PROBE_ROWS, probes  # 10 rows: 3 probes reach all
     assert all(tries[0] > 0 for tries in policy.tries), policy.tries  # every row's shadow draft scored
 
 
@@ -461,12 +461,12 @@ def test_the_switch_turns_drafting_on_and_off_and_rows_stay_exact(costs, draftin
     """Forced cost tables through `generate()`: flat costs (drafting's own milliseconds negligible beside them) verify
     drafts at every step, costs that grow with every token decode plainly (only shadow drafts, nothing verified);
     every row equals its lone output."""
-    from hf_bpd.generation import batch_width
+    from hf_bpd.generation import controller
 
-    monkeypatch.setattr("hf_bpd.generation.batch.forward_costs", lambda base, max_tokens: dict(costs))
-    monkeypatch.setattr(batch_width, "TIMING_WEIGHT", 0.0)  # the forced table, not this machine's timings
-    monkeypatch.setattr(batch_width, "MARGIN", 0.0)  # random heads: any expected gain is to be taken
-    monkeypatch.setattr(batch_width, "CONFIDENCE", 0.0)  # nor lowered by its uncertainty
+    monkeypatch.setattr("hf_bpd.generation.batch.eager_costs", lambda base, max_tokens: dict(costs))
+    monkeypatch.setattr(controller, "TIMING_WEIGHT", 0.0)  # the forced table, not this machine's timings
+    monkeypatch.setattr(controller, "MARGIN", 0.0)  # random heads: any expected gain is to be taken
+    monkeypatch.setattr(controller, "CONFIDENCE", 0.0)  # nor lowered by its uncertainty
     model = random_bpd("llama", 0)
     prompts = random_prompts(4, seed=21)
     ids, mask = left_padded(prompts)

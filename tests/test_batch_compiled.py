@@ -59,9 +59,9 @@ def reference_drafts(monkeypatch, model, prompts, width, kwargs, branching=None,
     monkeypatch.setattr(BlockDrafter, "drafts", row_drafts)
     monkeypatch.setattr(batch_module, "_step_trees", step_trees)
     monkeypatch.setattr(batch_module, "_budgeted", lambda drafter: branching["on"])
-    monkeypatch.setattr(batch_module, "forward_costs", lambda base, max_tokens: {1: 1e6, 4096: 1e6})
+    monkeypatch.setattr(batch_module, "eager_costs", lambda base, max_tokens: {1: 1e6, 4096: 1e6})
     monkeypatch.setattr(StaticRaggedCache, "measured_costs", lambda self, max_width: {})  # the flat costs rule
-    monkeypatch.setattr("hf_bpd.generation.batch_width.TIMING_WEIGHT", 0.0)
+    monkeypatch.setattr("hf_bpd.generation.controller.TIMING_WEIGHT", 0.0)
     return lone
 
 

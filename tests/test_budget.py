@@ -7,27 +7,28 @@ import torch
 
 from hf_bpd import BPDConfigError
 from hf_bpd.evaluation.calibration import acceptance_records, calibrate, reliability_table
-from hf_bpd.generation.budget import DraftBudget, HeadCalibration, eager_costs
+from hf_bpd.generation.calibration import HeadCalibration
+from hf_bpd.generation.controller import CostSchedule, eager_costs
 from hf_bpd.generation.stats import GenerationStats
 from tests.test_decoding import OracleRescorer, prompt_ids, random_bpd
 
 
 def test_the_budget_verifies_what_pays_for_itself():
-    flat = DraftBudget({1: 10.0, 2: 10.5, 3: 11.0, 4: 11.5, 5: 12.0})  # verifying more is nearly free
+    flat = CostSchedule({1: 10.0, 2: 10.5, 3: 11.0, 4: 11.5, 5: 12.0})  # verifying more is nearly free
     assert flat.choose([0.9, 0.8, 0.7, 0.6]) == 4
     assert flat.choose([0.02, 0.9, 0.9, 0.9]) == 0  # the first token will not be accepted: the rest cannot be
-    steep = DraftBudget({1: 10.0, 2: 20.0, 3: 30.0, 4: 40.0, 5: 50.0})  # each token costs a whole forward
+    steep = CostSchedule({1: 10.0, 2: 20.0, 3: 30.0, 4: 40.0, 5: 50.0})  # each token costs a whole forward
     assert steep.choose([0.99, 0.99, 0.99, 0.99]) == 0  # E(k) <= k + 1 never beats the k + 1 cost
     # eager-like: 2..5 tokens cost ~1.7x one token, so the drafts must be confident enough
-    eager = DraftBudget({1: 70.0, 2: 120.0, 3: 122.0, 4: 124.0, 5: 126.0})
+    eager = CostSchedule({1: 70.0, 2: 120.0, 3: 122.0, 4: 124.0, 5: 126.0})
     assert eager.choose([0.3, 0.2, 0.1, 0.1]) == 0
     assert eager.choose([0.9, 0.8, 0.7, 0.6]) == 4
     # noisy measurements: a longer block is never charged less than a shorter one, so drafts that cannot pay are
     # not verified because their length happened to time faster
-    noisy = DraftBudget({1: 10.0, 2: 9.6, 3: 9.9, 4: 9.5})
-    assert noisy.costs == {1: 10.0, 2: 10.0, 3: 10.0, 4: 10.0} and noisy.choose([0.0, 0.0, 0.0]) == 0
+    noisy = CostSchedule({1: 10.0, 2: 9.6, 3: 9.9, 4: 9.5})
+    assert noisy.costs.table == [10.0, 10.0, 10.0, 10.0] and noisy.choose([0.0, 0.0, 0.0]) == 0
     # measured buckets only: a block is charged at the next compiled length that holds it
-    buckets = DraftBudget({1: 18.0, 5: 25.0})
+    buckets = CostSchedule({1: 18.0, 5: 25.0})
     assert buckets.choose([0.9, 0.9, 0.9, 0.9]) == 4 and buckets.choose([0.1, 0.1, 0.1, 0.1]) == 0
     # overhead per step (drafting) makes verifying more tokens relatively cheaper
     assert eager.choose([0.55, 0.3, 0.2, 0.1]) == 0 and eager.choose([0.55, 0.3, 0.2, 0.1], overhead_ms=200) >= 2
@@ -36,7 +37,7 @@ def test_the_budget_verifies_what_pays_for_itself():
 def test_the_budget_weighs_how_many_nodes_to_verify():
     """`choose_nodes`: the count of likeliest nodes with the most expected tokens per millisecond, at the measured
     block lengths (SmolLM2 bf16-like: a block of 4 costs little more than one token, a block of 8 much more)."""
-    budget = DraftBudget({1: 10.0, 4: 11.0, 8: 16.0})
+    budget = CostSchedule({1: 10.0, 4: 11.0, 8: 16.0})
     assert budget.choose_nodes([0.9] * 7) == 7  # (1 + 6.3) / 16 beats (1 + 2.7) / 11
     assert budget.choose_nodes([0.6, 0.3, 0.2, 0.05, 0.05, 0.05, 0.05]) == 3  # the tail does not pay for 8
     assert budget.choose_nodes([0.02] * 7) == 0  # a plain step: (1 + 0.06) / 11 < 1 / 10
@@ -246,7 +247,7 @@ def test_a_compiled_chain_shares_its_nodes_with_the_copy(one_thread, compile):
 
 
 def test_best_first_nodes_share_the_chain_slots_by_acceptance_chance():
-    from hf_bpd.generation.budget import best_first_nodes
+    from hf_bpd.generation.drafting import best_first_nodes
 
     heads, copy = (1, 2, 3), (5, 6, 7)
     assert best_first_nodes([(heads, [0.9, 0.8, 0.7]), (copy, [0.5, 0.7, 0.7])], 3) == [heads]
@@ -371,7 +372,7 @@ def test_draft_nodes_options_fail_in_one_line(one_thread):
 
 # ------------------------------------------------------------------ draft_schedule="switch"
 def test_the_switch_falls_back_to_plain_steps_and_probes_its_way_back():
-    from hf_bpd.generation.step_switch import PROBE_EVERY, StepSwitch
+    from hf_bpd.generation.controller import PROBE_EVERY, WEIGHT, StepSwitch
 
     switch = StepSwitch(plain_ms=10.0)
     assert switch.drafting and not switch.probe_due()
@@ -392,7 +393,7 @@ def test_the_switch_falls_back_to_plain_steps_and_probes_its_way_back():
     decoded = decoded + [11]
     gain = switch.gain
     switch.record(False, 1, 0.010, decoded)
-    assert switch.probe is None and switch.gain == pytest.approx(0.75 * gain + 0.25 * 5)
+    assert switch.probe is None and switch.gain == pytest.approx((1 - WEIGHT) * gain + WEIGHT * 5)
     for _ in range(3):  # more such probes: drafting resumes
         for _ in range(PROBE_EVERY):
             switch.record(False, 1, 0.010, decoded)
@@ -406,7 +407,7 @@ def test_the_switch_falls_back_to_plain_steps_and_probes_its_way_back():
 
 
 def test_the_switch_keeps_drafting_where_drafts_pay():
-    from hf_bpd.generation.step_switch import StepSwitch
+    from hf_bpd.generation.controller import StepSwitch
 
     switch = StepSwitch(plain_ms=10.0)
     for _ in range(20):
@@ -415,21 +416,21 @@ def test_the_switch_keeps_drafting_where_drafts_pay():
 
 
 def test_one_slow_step_does_not_lock_the_switch_out_of_drafting():
-    from hf_bpd.generation.step_switch import StepSwitch
+    from hf_bpd.generation.controller import WEIGHT, StepSwitch
 
     switch = StepSwitch(plain_ms=10.0)
     switch.record(True, 4, 0.500, list(range(10)))  # the call's first drafted step: one-off costs, not timed
     assert switch.draft_ms is None and switch.drafting
     switch.record(True, 4, 0.015, list(range(10)))
     switch.record(True, 4, 0.300, list(range(10)))  # a stall counts as twice the average at most
-    assert switch.draft_ms == pytest.approx(0.75 * 15 + 0.25 * 30) and switch.drafting and switch.switches == 0
+    assert switch.draft_ms == pytest.approx((1 - WEIGHT) * 15 + WEIGHT * 30) and switch.drafting and switch.switches == 0
     for _ in range(6):  # slow steps that persist are learned
         switch.record(True, 1, 0.060, list(range(10)))
     assert not switch.drafting
 
 
 def test_a_stale_plain_cost_is_capped_by_the_drafted_steps():
-    from hf_bpd.generation.step_switch import StepSwitch
+    from hf_bpd.generation.controller import StepSwitch
 
     switch = StepSwitch(plain_ms=50.0)  # a one-token cost measured when the machine was busy
     for _ in range(4):  # drafted steps of 10 ms, 4 of them drafting, one token each: a plain step costs <= 6 ms
@@ -441,7 +442,7 @@ def test_a_stale_plain_cost_is_capped_by_the_drafted_steps():
 def test_switch_schedule_decodes_exactly(one_thread, options):
     """Random heads draft badly: the call falls back to plain steps (and still drafts now and then); the oracle's
     drafts pay: the call drafts (a stall may cost a few plain steps). The tokens are the base's either way."""
-    from hf_bpd.generation.step_switch import PROBE_EVERY
+    from hf_bpd.generation.controller import PROBE_EVERY
 
     plain_steps = []
     for stats in schedule_runs("switch", options, 40):

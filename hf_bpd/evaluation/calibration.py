@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..generation.budget import HeadCalibration
+from ..generation.calibration import HeadCalibration
 from ..generation.lookup import prompt_lookup
 from ..lattice import Lattice
 from .analysis import teacher_forced_heads

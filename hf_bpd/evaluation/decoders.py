@@ -288,7 +288,7 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
     decoders["default-fixed"] = p(decode_bpd, draft_schedule="fixed")  # the defaults, every step drafting
     decoders["default-cost"] = p(decode_bpd, draft_schedule="cost")  # the defaults, verifying the nodes that pay
     decoders["default-switch"] = p(decode_bpd, draft_schedule="switch")  # the defaults, plain steps where drafting
-    # does not pay (`hf_bpd.generation.step_switch`)
+    # does not pay (`hf_bpd.generation.controller.StepSwitch`)
     # the feature-level drafter's chain, alone and with prompt lookup's copy; eager, or compiled as the checkpoint's
     decoders["feature"] = p(decode_feature, prompt_lookup=False, compile=False)
     decoders["feature+lookup"] = p(decode_feature, prompt_lookup=True, compile=False)

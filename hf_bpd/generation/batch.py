@@ -14,7 +14,7 @@ kernels (whose prompts then run one by one, each as a lone call's compiled promp
 Drafts: the heads run once per step for every row (the int8 heads kernel's multi-row call, `_rows_heads_step`), then
 each row drafts as the checkpoint's defaults say (its own rescorer state: rescored p-best paths and prompt lookup's
 copy competing best-first) into the step's node budget; drafters without a budget (fixed sparse trees, sequential
-heads) draft the heads' argmax chain. How many nodes the rows verify is decided per step by `batch_width.BatchWidth`
+heads) draft the heads' argmax chain. How many nodes the rows verify is decided per step by `controller.BatchWidth`
 from the machine's forward costs and the rows' running acceptance: a block only as wide as pays, and plain one-token
 steps (nothing drafted) when drafting does not pay; compiled, the widths are charged the compiled steps' own
 timings. Drafting options a call sets to other values than the model's (`DecodingPlan.row_drafts`) make each row
@@ -47,7 +47,7 @@ from ..errors import BPDConfigError
 from ..kv_cache import CACHE_NAME
 from ..runtime import execution
 from .batch_cache import RaggedCache, StaticRaggedCache
-from .batch_width import BatchWidth, batch_chains, forward_costs, shadow_accepted
+from .controller import BatchWidth, eager_costs, shadow_accepted
 from .stats import BlockwiseGenerateOutput, GenerationStats
 from .stopping import DecodedSequence
 from .tree import DraftTree, GreedyRows, choose_token, walk, walk_greedy
@@ -172,6 +172,22 @@ def _step_trees(model, plan, active: list[_Row], policy: BatchWidth, shadows: di
     return trees
 
 
+@torch.no_grad()
+def batch_chains(heads, hidden: torch.Tensor, num_heads: int) -> list[list[int]] | None:
+    """Every row's draft chain (the heads' argmax tokens) from the rows' hidden states `(rows, hidden_size)`, in one
+    batched heads call (a tied output projection read once for all heads and rows); None for sequential heads (each
+    reads the previous head's token: drafted per row)."""
+    if heads.sequential or num_heads <= 0:
+        return None
+    dtype = hidden.dtype
+    states = [heads.heads[i](hidden.to(next(heads.parameters()).dtype)).to(dtype) for i in range(num_heads)]
+    if heads.heads[0].projection is None:  # one product for every head
+        logits = heads.project(0, torch.stack(states))
+    else:
+        logits = torch.stack([heads.project(i, state) for i, state in enumerate(states)])
+    return heads.to_vocab_ids(logits.argmax(-1)).T.tolist()  # (rows, heads)
+
+
 def _row_processors(logits_processor, row: int):
     """The call's logits processors as row `row` of the batch sees them: the ones holding something per row of the
     batch (the repetition penalty's padding lengths, the encoder penalties' prompts, the prefix constraint's row
@@ -278,10 +294,10 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
             # batch step's cost grows with rows x width, so wider blocks have not paid)
             # the costs: a prebuilt step's runner times its own steps (the eager forward's table misjudges them)
             costs = ragged.measured_costs(num_heads + 1) if num_heads else {}
-            policy = BatchWidth(costs if 1 in costs else forward_costs(base, len(active) * (num_heads + 1)),
+            policy = BatchWidth(costs if 1 in costs else eager_costs(base, len(active) * (num_heads + 1)),
                                 num_heads + 1, batch)
             for n, ms in sorted(ragged.step_costs().items()):  # compiled steps, timed when they compiled
-                policy.timing(n, ms)
+                policy.costs.timing(n, ms)
             if num_heads:
                 drafts = stats.method.split("/")[0].removesuffix("+batch") if _budgeted(plan.drafter) else "chain"
                 stats.method = f"{drafts}/cost-aware+batch"
@@ -339,7 +355,7 @@ def decode_batch(model, input_ids, logits_processor, stopping_criteria, generati
                     step_ms = ragged.runner.width_ms[width]
                 else:
                     step_ms = 1000 * (time.perf_counter() - forward_start)
-                policy.timing(ragged.step_rows * width, step_ms)
+                policy.costs.timing(ragged.step_rows * width, step_ms)
                 policy.delivered(width, gained / len(active), step_ms)
             forward_passes += 1
             still = [r for r, row in enumerate(active) if not row.stopped]

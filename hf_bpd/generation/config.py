@@ -13,7 +13,7 @@
 | `heads_int8` | `None` | the heads step with int8 weights (one fp32 scale per row) in a C++ kernel on CPU, a quarter of the bytes each drafted step reads (`hf_bpd.runtime.int8_heads`); only the drafts can change, the output stays the base's. None: on with `compile=True` on a CPU, else off; True: also eagerly; False: never |
 | `drafter` | `"heads"` | what drafts: `"heads"` (the drafting heads, with the options above) or `"feature"` (the checkpoint's feature-level drafter, `hf_bpd.generation.feature_drafting`: a chain of `draft_depth` tokens, plus prompt lookup's copy; one prompt at a time; the heads' options do not apply) |
 | `draft_depth` | `None` | the feature-level drafter's chain length (None: 4) |
-| `draft_schedule` | `"fixed"` | `"fixed"`: verify every drafted token; `"cost"`: per step, verify only the drafted tokens expected to pay for their verification cost (calibrated head confidences x the machine's measured forward costs; `hf_bpd.generation.budget`); `"switch"`: verify every drafted token, but decode plain one-token steps while this call's drafted steps yield fewer tokens per ms than plain ones would, probing now and then with unverified drafts (`hf_bpd.generation.step_switch`) |
+| `draft_schedule` | `"fixed"` | `"fixed"`: verify every drafted token; `"cost"`: per step, verify only the drafted tokens expected to pay for their verification cost (calibrated head confidences x the machine's measured forward costs; `hf_bpd.generation.controller`); `"switch"`: verify every drafted token, but decode plain one-token steps while this call's drafted steps yield fewer tokens per ms than plain ones would, probing now and then with unverified drafts (`hf_bpd.generation.controller`) |
 | `compile` | `False` | verify with a compiled step on a reused static cache (`hf_bpd.generation.verify`); with `use_heads=False` too, for compiled plain decoding. On a CPU the step is built once per machine (`hf-bpd compile`); a call never waits for it: while it is missing it is built in the background and the call verifies eagerly. `"wait"`: build it in the call if need be (benchmarks). Elsewhere (GPUs, or prebuilt steps turned off: docs/reliability.md) `torch.compile` compiles in the first calls. Batches (fp32, and bf16 / int8 weights on hf_bpd's CPU kernels) compile only with `"wait"`: each rows × block-width shape in the call that first meets it (`hf_bpd.runtime.execution.batch_runner`) |
 | `tie_margin` | `None` | greedy: a decoded token whose two best scores are closer than this × max(1, |best|) is decided by the base's own eager `generate()` (`hf_bpd.generation.near_ties`); None: 5e-5 for fp32 bases, 0 (never) for half precision |
 
@@ -41,7 +41,7 @@ DRAFTING_OPTIONS = tuple(DRAFTING_DEFAULTS)
 DECODING_DEFAULTS = {"use_heads": True, "compile": False, "tie_margin": None}  # how the loop runs, drafting or not
 DECODING_OPTIONS = tuple(DECODING_DEFAULTS)
 
-SCHEDULES = ("fixed", "cost", "switch")  # draft_schedule values (`hf_bpd.generation.budget`, `step_switch`)
+SCHEDULES = ("fixed", "cost", "switch")  # draft_schedule values (`hf_bpd.generation.controller`)
 
 
 class BlockwiseGenerationConfig(GenerationConfig):

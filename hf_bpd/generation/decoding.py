@@ -33,13 +33,14 @@ from ..rescorers.base import HeadScoreRescorer
 from ..rescorers.registry import resolve_rescorer
 from ..runtime import execution
 from .batch import decode_batch
-from .budget import SCHEDULES, DraftBudget, HeadCalibration, eager_costs
+from .calibration import HeadCalibration
+from .config import SCHEDULES
+from .controller import CostSchedule, StepSwitch, eager_costs
 from .config import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS, DraftingOptions, _int_value
 from .drafting import BlockDrafter, Drafter, NoDrafter
 from .feature_drafting import FeatureChainDrafter
 from .near_ties import EagerReferee, default_tie_margin
 from .stats import BlockwiseGenerateOutput, GenerationStats
-from .step_switch import StepSwitch
 from .stopping import DecodedSequence
 from .tree import DraftTree, GreedyRows, choose_token, parse_tree, walk, walk_greedy
 from .verify import EagerVerifier
@@ -55,7 +56,7 @@ class DecodingPlan:
     streamer: BaseStreamer | None = None
     compile: bool | str = False  # verify with the compiled step on a static cache (`runtime.execution`);
     # "wait": build / compile it in the call if need be (else eager verification while it builds in the background)
-    schedule: str = "fixed"  # "cost": verify only the drafted tokens that pay (`hf_bpd.generation.budget`)
+    schedule: str = "fixed"  # "cost": verify only the drafted tokens that pay (`hf_bpd.generation.controller`)
     tie_margin: float | None = None  # greedy near-ties decided by the base's eager generate() (`near_ties`)
     heads_int8: bool | None = None  # the heads step with int8 weights on CPU (`int8_heads`; None: when compiled)
     row_drafts: bool = False  # batches: each row drafts with `drafter` as asked (drafting options given in the call),
@@ -342,7 +343,7 @@ def _blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, g
     budget = None
     if plan.schedule == "cost" and drafter.max_block_length() > 1:
         costs = compiled.costs if compiled is not None else eager_costs(model.base_lm, drafter.max_block_length())
-        budget = DraftBudget(costs, plan.calibration)
+        budget = CostSchedule(costs, plan.calibration)
     switch = None
     if plan.schedule == "switch" and drafter.max_block_length() > 1:
         plain_ms = compiled.costs.get(1) if compiled is not None else None
@@ -400,7 +401,7 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
         room = generation_config.max_length - sequence.shape[1] - 1
         if switch is None or switch.drafting:
             drafts, probs = drafter.drafts(hidden, decoded.tokens, room)
-        else:  # a plain step (`step_switch`), now and then drafting without verifying
+        else:  # a plain step (`controller.StepSwitch`), now and then drafting without verifying
             drafts, probs = [], []
             if switch.probe_due():
                 switch.start_probe(drafter.drafts(hidden, decoded.tokens, room)[0], len(decoded.tokens))

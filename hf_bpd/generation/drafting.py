@@ -9,7 +9,7 @@ import torch
 
 from ..lattice import Lattice
 from ..rescorers.base import HeadScoreRescorer, Rescorer
-from .budget import HeadCalibration, acceptance_rates, best_first_nodes
+from .calibration import HeadCalibration, acceptance_rates
 from .lookup import prompt_lookup
 
 
@@ -204,3 +204,34 @@ class BlockDrafter(Drafter):
 
 class NoDrafter(Drafter):
     """Drafts nothing: the decoding loop then takes one plain step per token (`use_heads=False, compile=True`)."""
+
+
+def best_first_nodes(paths: list[tuple[tuple[int, ...], list[float]]], budget: int, count=None
+                     ) -> list[tuple[int, ...]]:
+    """At most `budget` draft nodes from several candidate chains, the likeliest to be accepted first.
+
+    `paths` holds `(tokens, rates)`: a chain and each token's acceptance rate given the ones before it. A node (a
+    prefix of a chain; chains sharing a prefix share its nodes) is worth the chance its whole prefix is accepted,
+    the product of its rates (the best over the chains that hold it). The chance falls along every chain, so the
+    `budget` most likely nodes form prefixes: they are returned as one draft per chain (its chosen prefix), ties
+    going to the earlier chain. This is how prompt lookup's copy competes with the heads' chain for the same
+    verification slots. `count(chances)`, given the chances of the `budget` likeliest nodes in order, may take fewer
+    (`controller.CostSchedule.node_count`: `draft_schedule="cost"`).
+    """
+    value: dict[tuple[int, ...], float] = {}
+    order: dict[tuple[int, ...], int] = {}
+    for rank, (tokens, rates) in enumerate(paths):
+        chance = 1.0
+        for j in range(len(tokens)):
+            chance *= rates[j]
+            node = tuple(tokens[: j + 1])
+            if chance > value.get(node, -1.0):
+                value[node] = chance
+            order.setdefault(node, rank)
+    chosen = sorted(value, key=lambda node: (-value[node], order[node], len(node)))[: max(budget, 0)]
+    if count is not None:
+        chosen = chosen[: count([value[node] for node in chosen])]
+    keep = set(chosen)
+    # every chosen node's prefixes are chosen too (their chance is at least as large; ties resolved by length)
+    leaves = [node for node in chosen if not any(other[: len(node)] == node and other != node for other in keep)]
+    return sorted(leaves, key=lambda node: order[node])
