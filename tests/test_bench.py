@@ -11,7 +11,7 @@ from hf_bpd import BlockwiseParallelForCausalLM
 from hf_bpd.evaluation.bench import (encode_messages, load_questions, machine_info, markdown_report, plot_report,
                                      run_bench)
 from hf_bpd.evaluation.decoders import BenchOptions, decode_ar, default_decoders, parse_methods
-from hf_bpd.errors import BPDConfigError
+from hf_bpd.errors import BPDConfigError, MethodSkipped
 from tests.conftest import tiny_smollm2_vocab_base
 
 METHODS = list(default_decoders())
@@ -506,3 +506,26 @@ def test_llama_cpp_decodes_the_packaged_gguf(smollm2):
     own = llm.create_completion(inputs["input_ids"][0].tolist(), max_tokens=24, temperature=0.0, top_k=1,
                                 repeat_penalty=1.0)["choices"][0]["text"]
     assert tokenizer.decode(sequences[0, prompt:], skip_special_tokens=True).strip() == own.strip()
+
+
+def test_llama_cpp_speculative_decoding_drafts_with_a_second_gguf(smollm2):
+    """llama.cpp-specK: llama-cpp-python's speculative API with the draft model's GGUF. Drafting with the base's own
+    GGUF, the greedy drafts are the base's own one-token choices: most steps accept all K draft tokens (block
+    efficiency counted from the draft model's calls). llama.cpp's block forward rounds otherwise than its one-token
+    steps, so its speculative output may leave its plain one at a near-tie (here after 30-odd tokens): only the start
+    is compared. Without a draft model the method is skipped with the flag to pass."""
+    pytest.importorskip("llama_cpp")
+    from hf_bpd.evaluation.llama_cpp import decode_llama_cpp
+    from hf_bpd.hub.base_models import PACKAGED_MODELS
+
+    base, tokenizer = smollm2
+    inputs = encode_messages(tokenizer, [{"role": "user", "content": "List the planets of the solar system."}])
+    plain, _ = decode_llama_cpp(base, inputs, 40)
+    gguf = PACKAGED_MODELS["smollm2-135m-instruct"].gguf()
+    sequences, stats = decode_llama_cpp(base, inputs, 40, draft_tokens=4, draft_gguf=gguf)
+    prompt = inputs["input_ids"].shape[1]
+    assert sequences[0, : prompt + 16].tolist() == plain[0, : prompt + 16].tolist()
+    assert stats.method == "llama.cpp-spec4" and sum(stats.accepted_lengths) + stats.serial_calls == stats.new_tokens
+    assert stats.block_efficiency > 3.0, stats.accepted_lengths
+    with pytest.raises(MethodSkipped, match="--assistant-model"):
+        decode_llama_cpp(base, inputs, 8, draft_tokens=4)

@@ -55,7 +55,8 @@ def cmd_bench(args) -> int:
     options = bench.BenchOptions(tree_widths=tuple(_int_list(args.tree, "--tree")), num_drafts=args.num_drafts,
                                  draft_top_k=args.draft_top_k, pld_tokens=args.pld_tokens,
                                  early_exit_layer=args.early_exit_layer, num_heads_to_use=args.num_heads_to_use,
-                                 draft_nodes=args.draft_nodes, gguf=args.gguf, assistant=args.assistant_model)
+                                 draft_nodes=args.draft_nodes, gguf=args.gguf, assistant=args.assistant_model,
+                                 draft_gguf=args.draft_gguf)
     decoders = bench.default_decoders(options)
     # an assistant without --methods: the default methods and the assisted one
     default = bench.DEFAULT_METHODS + (("assisted",) if args.assistant_model else ())
@@ -197,7 +198,8 @@ def add_parsers(sub, command) -> None:
         "transformers) are listed as skipped. --output writes every per-prompt figure as JSON.")
     _add_common(bench)
     bench.add_argument("--methods", default=None,
-                       help="comma-separated methods: ar, llama.cpp, pld, early-exit, assisted (needs "
+                       help="comma-separated methods: ar, llama.cpp, llama.cpp-specK (K: 1, 2, 3, 4, 6, 8, 12 or 16 "
+                            "draft tokens), pld, early-exit, assisted (needs "
                             "--assistant-model), default, default-fixed, default-switch, pbest, pbest-ngram, tree, "
                             "tree+ngram, pbest-ngram+lookup[-nodes][-compiled], ar-compiled, and "
                             "bpd[+RESCORER][+lookup][-compiled][-cost|-switch] (ar always runs) "
@@ -221,6 +223,9 @@ def add_parsers(sub, command) -> None:
     bench.add_argument("--gguf", default=None, metavar="FILE.gguf",
                        help="the GGUF llama.cpp decodes for the llama.cpp method (default: the packaged base's; the "
                             "method needs the optional llama-cpp-python, else it is skipped)")
+    bench.add_argument("--draft-gguf", default=None, metavar="FILE.gguf",
+                       help="the draft model llama.cpp-specK drafts with (default: the packaged GGUF of "
+                            "--assistant-model, so both speculative methods draft with the same model)")
     bench.add_argument("--assistant-model", default=None, metavar="NAME",
                        help="the draft model of the assisted method (transformers' assisted generation, "
                             "generate(assistant_model=...), greedy): a local directory, packaged alias or Hub id of a "

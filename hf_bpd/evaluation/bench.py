@@ -15,7 +15,7 @@ transformers, ...):
 * `summary`: one row per method over every prompt, `by_category`: one per (category, method). Row keys: `method`,
   `category`, `samples`, `new_tokens`, `seconds`, `tokens_per_s` (new tokens / seconds), `speedup_vs_ar` (tokens/s
   over ar's on the same prompts), `vs_best_plain` (tokens/s over the faster of the plain paths that ran, `ar` and
-  `ar-compiled`: what a user compares with), `vs_llama_cpp` (over the `llama.cpp` method's, when it ran),
+  `ar-compiled`: what a user compares with), `vs_llama_cpp` (over the fastest llama.cpp method's, plain or speculative, when one ran),
   `block_efficiency` (new tokens / serial calls), `serial_calls`, `mean_accepted` (accepted draft tokens per serial
   call after the first), `draft_share` (drafting time / total time), `exact` (every output token-identical to ar's)
   and `exact_rate`.
@@ -43,7 +43,7 @@ from .decoders import (DEFAULT_METHODS, REFERENCE, BenchOptions, Decoder, Method
                        parse_methods)
 
 PLAIN_METHODS = (REFERENCE, "ar-compiled")  # plain decoding: eager transformers generate(), hf_bpd's compiled path
-OWN_KERNELS = ("llama.cpp",)  # methods that compute the model another way (quantized GGUF weights): may differ from ar
+OWN_KERNELS = "llama.cpp"  # methods named so compute the model another way (quantized GGUF weights): may differ from ar
 
 # ------------------------------------------------------------------ prompts
 def load_questions(path: str | Path) -> list[dict]:
@@ -205,7 +205,9 @@ def summarize_samples(samples: list[dict], methods: Sequence[str], category: str
     ref_tps = tokens_per_s(REFERENCE)
     best_plain = max((tps for m in PLAIN_METHODS if m in methods and (tps := tokens_per_s(m)) is not None),
                      default=None)
-    llama = tokens_per_s("llama.cpp") if "llama.cpp" in methods else None
+    # llama.cpp's best: the faster of its plain and speculative methods that ran
+    llama = max((tps for m in methods if m.startswith(OWN_KERNELS) and (tps := tokens_per_s(m)) is not None),
+                default=None)
     for method in methods:
         mine = [s for s in samples if s["method"] == method]
         if not mine:
@@ -354,7 +356,7 @@ def markdown_report(report: dict) -> str:
     def row(r, label):
         share = None if r["draft_share"] is None else 100 * r["draft_share"]
         exact = _fmt(r["exact"])
-        if r["method"] in OWN_KERNELS and not r["exact"]:
+        if r["method"].startswith(OWN_KERNELS) and not r["exact"]:
             exact = "no (own kernels)"  # another computation of the model: equality is not promised
         return (f"| {label} | {_fmt(r['tokens_per_s'], '.1f')} | {_fmt(r['speedup_vs_ar'])}x | "
                 f"{_fmt(r.get('vs_best_plain'))}x | " + (f"{_fmt(r.get('vs_llama_cpp'))}x | " if llama else "") +

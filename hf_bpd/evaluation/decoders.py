@@ -7,6 +7,7 @@ registry of the methods below; `hf_bpd.evaluation.bench.run_bench(..., decoders=
 | --- | --- |
 | `ar` | the base's plain greedy `generate()`: the reference every other method must reproduce |
 | `llama.cpp` | llama.cpp's plain greedy decoding of the base's GGUF (`llama-cpp-python`, optional; `hf_bpd.evaluation.llama_cpp`) |
+| `llama.cpp-specK` (K in 1, 2, 3, 4, 6, 8, 12, 16) | llama.cpp's speculative decoding: the `--assistant-model`'s packaged GGUF (or `--draft-gguf`) drafts K greedy tokens a step |
 | `pld` | transformers' prompt lookup decoding (`prompt_lookup_num_tokens`) on the base |
 | `early-exit` | transformers' self-speculation (`assistant_early_exit`) on the base |
 | `assisted` | transformers' assisted generation: a small draft model, `--assistant-model` (`Assistant`) |
@@ -53,6 +54,9 @@ Decoder = Callable[..., tuple[torch.Tensor, GenerationStats | None]]
 REFERENCE = "ar"
 
 
+SPEC_DRAFT_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)  # the draft lengths of the llama.cpp-specK methods
+
+
 @dataclass
 class BenchOptions:
     """Settings of the default decoders."""
@@ -65,6 +69,7 @@ class BenchOptions:
     num_heads_to_use: int | None = None  # chain methods draft with the first heads only (None: the checkpoint's)
     draft_nodes: int = 15  # the -nodes methods: draft tokens per verification, filled best-first
     gguf: str | None = None  # the llama.cpp method's GGUF file (None: the packaged base's)
+    draft_gguf: str | None = None  # llama.cpp-specK's draft model (None: the packaged GGUF of `assistant`)
     assistant: str | None = None  # the assisted method's draft model, a name for `hf_bpd.load_base` (None: skipped)
 
 
@@ -269,6 +274,9 @@ def default_decoders(options: BenchOptions | None = None) -> dict[str, Decoder]:
         "assisted": p(decode_assistant_model, assistant=Assistant(o.assistant)),  # loaded once, on first use
         "llama.cpp": p(decode_llama_cpp, gguf=o.gguf),
     }
+    for n in SPEC_DRAFT_TOKENS:  # llama.cpp's speculative decoding, the draft model drafting n tokens a step
+        decoders[f"llama.cpp-spec{n}"] = p(decode_llama_cpp, gguf=o.gguf, draft_tokens=n, draft_gguf=o.draft_gguf,
+                                           assistant=o.assistant)
     # Chain BPD in every combination: rescorer (+NAME), prompt-lookup path (+lookup), compiled verification
     # (-compiled: `generate(compile=True)`, a compiled step on a reused static cache) and cost-aware drafting (-cost).
     # `ar-compiled` is plain decoding through the compiled machinery (one token per step): the fair baseline for it.
