@@ -395,6 +395,33 @@ def test_compile_true_verifies_batches_on_the_artifact_row_exact(built, monkeypa
     assert model.last_generation_stats.verifier == "artifact"
 
 
+def test_a_batchs_steps_of_one_and_two_tokens_run_on_the_batch_steps(built, monkeypatch):
+    """With the batch steps built, a batch's one-token steps run on the one-token batch step and its width-2 steps on
+    the two-token one (wider blocks on the step), every row its prompt's lone greedy output. The width is forced to
+    alternate (1, 2, 3) here: which graph serves a width is under test, not the width choice."""
+    from hf_bpd.generation import controller
+    from tests.test_batch import PAD, check_rows, left_padded, random_prompts
+
+    _, base, path = built
+    model = BlockwiseParallelForCausalLM.from_base(base, num_heads=3).eval()
+    prompts = random_prompts(4, seed=9, longest=12)
+    kwargs = dict(max_new_tokens=18, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    ids, mask = left_padded(prompts)
+    widths = iter(range(10_000))
+    monkeypatch.setattr(controller.BatchWidth, "choose", lambda self, rows, *a, **k: 1 + next(widths) % 3)
+    ran, call = [], artifacts.Artifact.__call__
+    monkeypatch.setattr(artifacts.Artifact, "__call__",
+                        lambda self, *args: ran.append((self.path.name, args[0].shape[1])) or call(self, *args))
+    out = model.generate(ids, attention_mask=mask, compile=True, **kwargs)
+    assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
+    names = {graph: artifacts.graph_files(path.parent, graph)[0].name
+             for graph in (artifacts.ONE_TOKEN, artifacts.TWO_TOKENS)}
+    steps = [(name, width) for name, width in ran if width > 0]
+    assert {width for name, width in steps if name == names[artifacts.ONE_TOKEN]} == {1}
+    assert {width for name, width in steps if name == names[artifacts.TWO_TOKENS]} == {2}
+    assert {width for name, width in steps if name == artifacts.PACKAGE} >= {3}
+
+
 def test_an_artifact_runner_times_its_own_steps_once_per_machine(built, monkeypatch):
     """The width choice of a batch on the artifact reads the runner's own step costs (blocks of 1 to the widest
     width on every row, one token on halved rows), timed once and kept beside the artifact: a later runner of as

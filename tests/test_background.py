@@ -88,8 +88,8 @@ def test_a_batch_starts_the_one_token_batch_step_and_its_one_token_steps_run_on_
                                                                                              monkeypatch):
     """The first batch on the artifact starts the one-token batch step's build in the background (its one-token steps
     run on the step meanwhile); once built, the batch's one-token steps run on it and the next batch starts the
-    two-token batch step's build (one build at a time); once that is built, two-token steps run on it. Every row is
-    its own greedy output."""
+    two-token batch step's build (one build at a time; which graph serves which width once both are built:
+    tests/test_artifacts.py). Every row is its own greedy output."""
     from tests.test_batch import PAD, check_rows, left_padded, random_prompts
 
     base, model = drafted(seed=SEED)
@@ -119,18 +119,16 @@ def test_a_batch_starts_the_one_token_batch_step_and_its_one_token_steps_run_on_
     one_token = [shape for name, shape in ran if name == artifacts.graph_files(directory, artifacts.ONE_TOKEN)[0].name]
     assert one_token and all(shape[1] == 1 for shape in one_token)
     assert all(shape[1] > 1 for name, shape in ran if name == artifacts.PACKAGE)  # blocks: on the step
-    assert background.wait(directory, timeout=600)  # the two-token batch step, started by that call
-    assert background._WORKERS[directory].returncode == 0, (directory / "build.log").read_text()[-2000:]
-    assert artifacts.valid(directory, artifacts.cached_key(base), artifacts.TWO_TOKENS)
-
-    ran.clear()
-    out = model.generate(ids, attention_mask=mask, compile=True, **kwargs)
-    assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
-    two_tokens = artifacts.graph_files(directory, artifacts.TWO_TOKENS)[0].name
-    assert all(shape[1] == 2 for name, shape in ran if name == two_tokens)
-    assert all(shape[1] > 2 for name, shape in ran if name == artifacts.PACKAGE)  # wider blocks: on the step
-    if any(shape[1] == 2 for _, shape in ran):  # the switch chose width 2 somewhere: on the two-token step
-        assert any(name == two_tokens for name, _ in ran)
+    # that call started the two-token batch step's build: its request and its worker (not waited for: the graph's
+    # build is tests/test_artifacts.py's, by `hf-bpd compile`)
+    worker = background._WORKERS[directory]
+    if isinstance(worker, threading.Thread):  # saving the weights, then starting the worker process
+        worker.join()
+    worker = background._WORKERS[directory]
+    assert (directory / background.REQUEST.format(graph=artifacts.TWO_TOKENS, pid=os.getpid())).is_file()
+    assert worker.poll() is None
+    worker.kill()
+    worker.wait()
 
 
 def test_a_failed_build_is_reported_once_and_not_started_again(cache, caplog):
