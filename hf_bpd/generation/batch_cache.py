@@ -12,8 +12,8 @@ each row's valid slots to the right (left padding).
 * `StaticRaggedCache`: the static cache of a compiled batched step (`hf_bpd.runtime.batched`). A step's mask spans
   all `max_cache_len` slots and its attention reads the slots up to the block, so a hole costs one masked slot until
   the cache is full: it is compacted then. Nothing moves after a verification: the slots a row rejected stay where
-  they are, as holes, and the cache grows to the last slot any row kept (moving 30 layers' kept entries cost ~1.5 ms
-  a step for 4 SmolLM2 rows). On a runner with dynamic rows (a prebuilt step) a finished row leaves at once: an
+  they are, as holes, and the cache grows to the last slot any row kept (moving every layer's kept entries would
+  cost time on every step). On a runner with dynamic rows (a prebuilt step) a finished row leaves at once: an
   active row held past the active count moves into its cache row, and steps compute the first `active` rows only.
   On a runner compiled per shape, finished rows stay in the step (masked, their results unread) until the rows left
   fit a runner of a quarter as many rows (`SHRINK`; runners of 1, 4, 16, ... rows): they move there, so the shapes

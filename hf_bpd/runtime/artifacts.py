@@ -204,7 +204,8 @@ class _WindowedStep(_Step):
 
 def one_token_unsupported_reason(base) -> str | None:
     """Why `base`'s artifact has no batch steps (one-token, two-token; None when it can have them): sliding-window
-    bases run their batches' steps on the step (each graph holds the weights again; Gemma-3-270m's step: 1.75 GB)."""
+    bases run their batches' steps on the step (each graph would hold the weights again;
+    docs/performance.md, "Gemma-3-270m")."""
     if sliding_window_of(base) is not None:
         return "sliding-window bases run a batch's one-token steps on the step"
     return None
@@ -365,7 +366,7 @@ _SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> its we
 
 def cached_key(base, threads: int | None = None) -> dict:
     """`artifact_key(base, threads)`, computed again only when the weights changed (`weights.marker`; the digest
-    reads every byte: ~0.3 s for SmolLM2 fp32)."""
+    reads every byte, too slow to repeat on every call)."""
     threads = threads or torch.get_num_threads()
     mark = weights.marker(base)
     known = _KEYS.get(base)

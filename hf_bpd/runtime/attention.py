@@ -2,13 +2,11 @@
 
 transformers' `sdpa` attention gives PyTorch's `scaled_dot_product_attention` the key/value heads repeated once per
 query head (`repeat_kv`) whenever an attention mask is passed, and under `torch.compile` always. A verification step
-always passes one (the draft tree's 4D mask over the cache), so each step copied every layer's whole cache
-`num_key_value_groups` times before reading it: for SmolLM2 (9 query heads over 3 key/value heads, 30 layers, a
-512-slot static cache) 71 MB written and read again per step. Measured (`python benchmarks/block_profile.py
---lengths 1,8 --kernels 12`, Intel Xeon AVX-512, 2 threads): the copy was a 2.3 ms kernel of the 27.2 ms compiled
-one-token step (2.8 ms of the block of 8); without it the step took 25.2 ms. PyTorch's CPU kernel takes grouped heads
-as they are (`enable_gqa=True`, masks included) and computes the same numbers: each query head reads its group's
-key/value head where it read the copy, nothing else changes (bit-identical, `tests/test_attention.py`).
+always passes one (the draft tree's 4D mask over the cache), so each step would copy every layer's whole cache
+`num_key_value_groups` times before reading it, a copy that grows with the cache and is a sizeable part of a compiled
+step (docs/performance.md, "Why the compiled step is fast"). PyTorch's CPU kernel takes grouped heads as they are
+(`enable_gqa=True`, masks included) and computes the same numbers: each query head reads its group's key/value head
+where it read the copy, nothing else changes (bit-identical, `tests/test_attention.py`).
 
 `grouped_query_attention(base)` makes the base use that while a verification step runs: it registers the attention
 function under its own name with transformers' public `AttentionInterface` (and `sdpa`'s mask function with
@@ -118,15 +116,12 @@ def batched_attention_forward(module, query, key, value, attention_mask, dropout
     static cache) over only the cache slots in use (`hf_bpd::used_slots_attention`), grouped key/value heads read in
     place; anything else as `grouped_sdpa_forward`.
 
-    Measured per SmolLM2 layer inside the compiled 4-row step (9 query / 3 key-value heads of 64, 512 slots, ~150 in
-    use, AMD EPYC AVX-512, 2 threads, `torch.profiler`): PyTorch's CPU flash kernel took 0.23 ms for one token per
-    row over the 512 slots; for 2 tokens per row, two GEMMs compiled by inductor took 0.27 ms, 0.15 of them a copy
-    of the key cache into the GEMM template's layout. PyTorch's CPU flash kernel splits its work by (row, head,
-    block of queries), which leaves a few query tokens per task, so several query tokens per row run as two GEMMs
-    (eager, per layer: 4 rows x 3 tokens 0.47 ms with the kernel, 0.22 as two GEMMs). One token per row runs the
-    kernel with each key/value head's 3 query heads stacked as 3 queries (the kernel then multiplies a 3-row block
-    where it ran 3 matrix-vector products): the compiled 16-row one-token step 61.2-61.5 vs 62.6-62.8 ms, the 4-row
-    one 34.0 vs 35.8 (Intel Xeon AVX-512, 2 threads, 300 cached tokens)."""
+    PyTorch's CPU flash kernel splits its work by (row, head, block of queries), which leaves a few query tokens per
+    task, so several query tokens per row run as two GEMMs, which cost less than the kernel there; they run inside
+    an operator opaque to the compiler, which reads the cache in place (inductor's GEMM templates would first copy
+    each layer's key cache into their own layout). One token per row runs the kernel with each key/value head's
+    query heads stacked as that head's queries (`stacked_query_attention`: the kernel then multiplies a block where
+    it ran one matrix-vector product per query head), which makes the step a little faster."""
     rows, heads, width, dim = query.shape
     kv_heads = key.shape[1]
     cache_position = kwargs.get("cache_position")

@@ -7,8 +7,8 @@ to the artifact when it is there. The worker:
 * gets a copy of the base's weights (`save_pretrained`, safetensors, in the artifact's folder; deleted once loaded),
   so it builds for the base as it is in the caller's process, whatever it was loaded from; the key's weight
   fingerprint and dtype are checked again in the worker;
-* builds the int8 heads kernel (`hf_bpd.runtime.int8_heads`, ~2 s), then the artifact (~2 min for SmolLM2 on 2
-  cores; the one-token batch step, asked for by the first batch, another ~2-3 min), with the caller's thread count
+* builds the int8 heads kernel (`hf_bpd.runtime.int8_heads`), then the artifact (minutes; the one-token batch
+  step, asked for by the first batch, takes minutes more), with the caller's thread count
   (baked into the GEMM code), at idle CPU priority (`SCHED_IDLE` on Linux, else `nice` 19): it takes only the CPU
   time the caller leaves;
 * outlives the caller (its own process group): a short script's process may end; the build finishes and the next
@@ -134,8 +134,8 @@ def _clean_leftovers(directory: Path) -> None:
 
 def start_build(base, key: dict, directory: Path, graph: str = artifacts.STEP) -> None:
     """Claim `directory`'s build lock (without waiting: a build under way there is left alone), clean up after dead
-    builds, then save `base`'s weights for the worker and start it off the calling thread (saving SmolLM2 takes
-    ~1 s). The worker inherits the lock, so from the claim to its end no other process starts a build there. A
+    builds, then save `base`'s weights for the worker and start it off the calling thread (saving the weights takes
+    a while). The worker inherits the lock, so from the claim to its end no other process starts a build there. A
     graph whose worker died `MAX_ATTEMPTS` times is recorded as failed instead."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     lock = artifacts.claim_lock(directory)
@@ -175,8 +175,8 @@ def start_build(base, key: dict, directory: Path, graph: str = artifacts.STEP) -
             request = directory / REQUEST.format(graph=graph, pid=os.getpid())
             request.write_text(json.dumps({**key, "weights_dir": weights.name}, indent=1))
             # Its own process group (Ctrl-C in a terminal reaches the caller only), but the caller's session: with
-            # Linux's autogroup scheduling a new session would get an equal share of the CPU whatever its priority
-            # (measured: the first eager call ran 5x slower beside a worker in its own session).
+            # Linux's autogroup scheduling a new session would get an equal share of the CPU whatever its priority,
+            # and the caller's decoding would slow down beside the build.
             group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
             with open(directory / "build.log", "ab") as log:
                 _WORKERS[directory] = subprocess.Popen(

@@ -6,18 +6,15 @@ cache every row writes its block at the same slots (one write offset for the bat
 and masks out what it did not keep (`hf_bpd.generation.batch_cache`). The step's inputs are `(rows, W)` tokens and
 positions and a `(rows, 1, W, max_cache_len)` additive mask over the whole cache, so a shape is its `(rows, W)`.
 
-Why it pays (SmolLM2-135M fp32, AMD EPYC AVX-512, 2 threads, 512 slots): a step of 16 rows x 1 token took 60 ms
-compiled against ~110 ms eagerly. Attention reads only the slots in use (`hf_bpd::used_slots_attention`, see
-`hf_bpd.runtime.attention`): over all 512 it was ~45 % of the 16-row step. With it, 32 dev prompts x 96 tokens in
-batches of 16 decode at 247 tok/s compiled (191 reading every slot) against 119 for transformers' batched
-`generate()`. Each shape compiles in ~65-95 s, so a call compiles only the shapes it meets (`compile="wait"`), and
-the graphs are kept for every later call of the process. `compile=True` (which never blocks for minutes) verifies
-fp32 batches on the base's artifact instead (`ArtifactBatchedRunner`, `hf_bpd.runtime.artifacts`: the same step,
-exported once per machine with dynamic rows, block length and context, loaded in seconds; eagerly while it is being
-built in the background): no shape compiles in any call. Its one-token steps run the artifact's one-token batch
-step (`hf_bpd.runtime.artifacts.ONE_TOKEN`, built when a batch first needs it), no slower than the compiled shape
-at 16 rows (SmolLM2, Intel Xeon, 300 slots in use, same process, both with the GEMM weight prefetches: 58.2 ms for
-16 rows x 1 token against 65.0; docs/performance.md#batches).
+Why it pays: a compiled batch step costs far less than the eager one, and its attention reads only the slots in use
+(`hf_bpd::used_slots_attention`, see `hf_bpd.runtime.attention`), since reading the whole static cache is a large
+share of a wide step (docs/performance.md, "Batches"). Each shape takes a minute or more to compile, so a call
+compiles only the shapes it meets (`compile="wait"`), and the graphs are kept for every later call of the process.
+`compile=True` (which never blocks for minutes) verifies fp32 batches on the base's artifact instead
+(`ArtifactBatchedRunner`, `hf_bpd.runtime.artifacts`: the same step, exported once per machine with dynamic rows,
+block length and context, loaded in seconds; eagerly while it is being built in the background): no shape compiles in
+any call. Its one-token steps run the artifact's one-token batch step (`hf_bpd.runtime.artifacts.ONE_TOKEN`, built
+when a batch first needs it), no slower than the compiled shape (docs/performance.md, "Batches").
 Each compiled graph holds its own packed copy of the weights (inductor's freezing), so a base's batched shapes share
 `MAX_GRAPH_BYTES` of them; once that is spent, a new shape runs the same step eagerly on the same cache.
 
@@ -61,7 +58,7 @@ COSTS_FILE = "batch_costs.json"  # an artifact runner's step costs, kept beside 
 
 def max_graphs(base) -> int:
     """How many batched shapes one base may compile: each frozen graph holds its own packed copy of the weights
-    (SmolLM2 fp32: ~540 MB), so they share `MAX_GRAPH_BYTES` (at least 2: a plain and a drafted width)."""
+    (inductor's freezing), so they share `MAX_GRAPH_BYTES` (at least 2: a plain and a drafted width)."""
     return max(2, MAX_GRAPH_BYTES // max(weight_bytes(base), 1))
 
 
@@ -246,12 +243,10 @@ class ArtifactBatchedRunner(BatchedRunner):
         """`{tokens: ms}` of this runner's own steps, for the batch's width choice: blocks of 1 to `max_width` tokens
         on every row, and one token on fewer rows (halved down to 1: rows leave as they finish), each the median of
         `COST_CALLS` calls after one untimed, written past the cache's current length and rolled back. Timed once per
-        machine (kept beside the artifact, `COSTS_FILE`, per row count, and apart for the one-token batch step: ~3 s
-        for 16 rows of SmolLM2, checked against each process's own steps: `_check_kept`); the batch's own steps then
-        correct the table (`BatchWidth.timing`). The eager forward's table misjudges these steps: its costs are
-        mostly fixed overhead, theirs grow with the tokens
-        (SmolLM2, AMD EPYC, 2 threads, 16 rows: eager 151 / 168 / 188 ms for 1 / 2 / 3 tokens a row, the artifact
-        52 / 85 / 124), so scaled to a plain step it priced a drafted one at half to two thirds of its cost."""
+        machine (kept beside the artifact, `COSTS_FILE`, per row count, and apart for the one-token batch step;
+        checked against each process's own steps: `_check_kept`); the batch's own steps then correct the table
+        (`BatchWidth.timing`). The eager forward's table misjudges these steps: its costs are mostly fixed overhead,
+        theirs grow with the tokens, so scaled to a plain step it would price a drafted one well under its cost."""
         key = self._graphs()
         if self._costs_key != key:
             self._costs, self._costs_key = self._stored_costs(key), key

@@ -1,13 +1,13 @@
 """Compiled verification (`generate(..., compile=True)`): a `torch.compile`d step (inductor, `freezing` with
-prepacked weights, `max_autotune` CPU GEMM templates; measured in `../shared/MEASUREMENTS.md`) on a `StaticCache`
-that is created once per base model and reused by every call, so every step has one of a few fixed shapes: the block
-is padded to the drafting plan's largest block (the last token plus every node its drafts can have) and the attention
-mask is a 4D tensor over the whole static cache (one buffer per call, of which each step rewrites only the columns
-that changed). The cache holds the call's `max_length` plus one padded block, so the last step's padding stays inside
-it. One graph is compiled per block length, once per process. The prompt pass runs eagerly into the same static
-cache. Rejected tokens are rolled back by moving the accepted path's keys/values into place and resetting each
-layer's `cumulative_length` (a `StaticCache` writes at that counter, not at `cache_position`). The verifier that runs
-these steps for one call is `hf_bpd.runtime.compiled_verifier.CompiledVerifier`.
+prepacked weights, `max_autotune` CPU GEMM templates; docs/performance.md, "Why the compiled step is fast") on a
+`StaticCache` that is created once per base model and reused by every call, so every step has one of a few fixed
+shapes: the block is padded to the drafting plan's largest block (the last token plus every node its drafts can have)
+and the attention mask is a 4D tensor over the whole static cache (one buffer per call, of which each step rewrites
+only the columns that changed). The cache holds the call's `max_length` plus one padded block, so the last step's
+padding stays inside it. One graph is compiled per block length, once per process. The prompt pass runs eagerly into
+the same static cache. Rejected tokens are rolled back by moving the accepted path's keys/values into place and
+resetting each layer's `cumulative_length` (a `StaticCache` writes at that counter, not at `cache_position`). The
+verifier that runs these steps for one call is `hf_bpd.runtime.compiled_verifier.CompiledVerifier`.
 """
 
 from __future__ import annotations
@@ -38,12 +38,11 @@ from .quiet import quiet_compilation
 from .step import VerificationStep, kv_layout, verification_cache
 
 # Static caches hold a multiple of this many tokens. The attention kernel reads every slot (masked), so a smaller
-# cache is a cheaper step: SmolLM2's 4-token step measured 20.6 ms on 1,024 slots and 18.0 ms on 512
-# (`benchmarks/block_profile.py`); each size compiles its own graphs, so an existing larger one is reused.
+# cache is a cheaper step; each size compiles its own graphs, so an existing larger one is reused.
 CACHE_BUCKET = 512
-# A compiled chain with prompt lookup verifies this many draft nodes per step (a block of 8 tokens): inductor's CPU GEMM
-# template multiplies 8 rows at a time, so a block of up to 8 tokens costs about one token's (SmolLM2, AVX-512: 17.0 /
-# 19.8 / 20.3 / 21.9 ms for 1 / 4 / 5 / 8 tokens, `benchmarks/block_profile.py`); 9 start a second row tile.
+# A compiled chain with prompt lookup verifies this many draft nodes per step (a block of 8 tokens): on AVX-512
+# inductor's CPU GEMM template multiplies 8 rows at a time, so a block of up to 8 tokens costs little more than one
+# token's, and a 9th token starts a second row tile (docs/performance.md, "The cost of a block").
 COMPILED_DRAFT_SLOTS = 7
 MAX_COMPILED_SHAPES = 64  # block lengths one runner may compile (dynamo's own limit is 8)
 TIMED_CALLS = 5  # timed calls of each block length in `warm_up` (after two untimed ones)
@@ -80,9 +79,10 @@ class _Patches(contextlib.ExitStack):
 
 class _HeadsStep(nn.Module):
     """Every drafting head on one hidden state, down to the top-k lattice: `(log-probabilities, draft-vocabulary
-    indices)`, `(num_heads, top_k)` each. Compiled like the verification step (frozen weights, CPU GEMM templates):
-    measured on SmolLM2's 4 heads, ~1.1 ms instead of ~4.4 ms eagerly for one drafting step. (Running the heads
-    inside the verification graph on every block position cost more: +5.5 ms per step.)"""
+    indices)`, `(num_heads, top_k)` each. Compiled like the verification step (frozen weights, CPU GEMM templates),
+    as the eager heads cost several times more per drafting step. The heads run once per step, on one hidden state,
+    in a graph of their own: inside the verification graph they would run on every block position, which costs
+    more."""
 
     def __init__(self, heads, top_k: int):
         super().__init__()
@@ -155,15 +155,15 @@ class CompiledRunner:
         self.step = VerificationStep(self.packed if self.packed is not None else base, self.cache).eval()
         self.attention_kernel = self.packed is not None and kv_layout(base.config)[1] % 16 == 0  # its head dims
         # Inductor settings: `_Patches` around each compiling call (as `torch.compile(options=...)` they did not enable
-        # the GEMM templates: 43 vs 21 ms per one-token SmolLM2 step; set globally they would change the user's own
-        # compiles). Guards: `hf_bpd.runtime.guards`.
-        self._compiled = None  # `torch.compile(self.step)`, made on first use (importing inductor takes ~1.3 s)
+        # the GEMM templates, which make a step much faster; set globally they would change the user's own compiles).
+        # Guards: `hf_bpd.runtime.guards`.
+        self._compiled = None  # `torch.compile(self.step)`, made on first use (importing inductor is slow)
         # Grouped key/value heads are read in place, not copied per query head (`hf_bpd.runtime.attention`); the
         # switch is on in every call of the compiled step.
         self.grouped = uses_grouped_attention(base)
         # The static cache allocates its tensors lazily, in its first update: do that now, eagerly, or the first
-        # compiled call traces the allocation (guard `is_initialized == False`) and the next one compiles again
-        # (measured: every first block length compiled twice, ~1 min each for SmolLM2).
+        # compiled call traces the allocation (guard `is_initialized == False`) and the next one compiles again, so
+        # the first block length would compile twice.
         with torch.no_grad():
             device = base.device
             one = torch.zeros(1, 1, dtype=torch.long, device=device)
@@ -201,7 +201,7 @@ class CompiledRunner:
         q = input_ids.shape[1]
         order = order if order is not None else self.key_order(q, input_ids.device)
         with self.attention():
-            if q in self.compiled_buckets:  # compiled: the settings only matter while compiling (~0.26 ms a patch)
+            if q in self.compiled_buckets:  # compiled: the settings only matter while compiling (patching costs time)
                 done = call_compiled(self.compiled, input_ids, position_ids, cache_position, attention_mask, *order)
                 if done is not None:
                     return done
@@ -264,7 +264,7 @@ class CompiledRunner:
                          torch.zeros(1, 1, b, self.max_cache_len, dtype=self.base.dtype, device=device))
                      for b in pending}
             # the first two calls of each compile and warm the step up; then the lengths are timed in turns (the
-            # first steps after a load run slower: timed one length after another, the first one read up to ~30 % high),
+            # first steps after a load run slower, so timing one length after another would overprice the first),
             # each call on a frame-stack chunk of its own, as decoding runs it (`hf_bpd.runtime.frame_stack`); the
             # median of `TIMED_CALLS` is the cost draft_schedule="cost" reads
             times = {b: [] for b in pending}
@@ -337,13 +337,12 @@ class ArtifactRunner(CompiledRunner):
     same step eagerly on the same cache, or, with `blocking` (`compile="wait"`), takes the `torch.compile` path of
     `CompiledRunner`. The block lengths `warm_up` times (the cost schedule's table) are timed once per machine and
     kept beside the artifact (`STEP_COSTS_FILE`; the artifact is per CPU and thread count): a new process's first
-    call reads them instead of timing 7 steps of each (SmolLM2, AMD EPYC, 2 threads: ~0.4 s of a ~2.4 s first call).
-    A kept table can be wrong for good (timed while the machine was loaded: SmolLM2 on a 2-core AMD EPYC, kept during
-    a test run, priced one token at 40.5 ms and four at 41.0; timed again, one took 29.8 and five 38.5), so a process
-    checks it against its own steps (`hf_bpd.runtime.cache_files.KeptCostCheck`: the median of the first 16 steps of
-    each kept length, if 25 % off its kept cost, condemns the table): the table is dropped (the file too), and the next
-    call's `warm_up` times every length again and keeps those. Blocks of 8 tokens of one row run on the artifact's
-    eight-token step once it is attached (`attach_eight_tokens`; AVX2 CPUs), whose costs are kept apart
+    call reads them instead of timing `2 + TIMED_CALLS` steps of each, a noticeable part of a first call. A kept table
+    can be wrong for good (timed while the machine was loaded, say, it would misprice every later process's blocks), so
+    a process checks it against its own steps (`hf_bpd.runtime.cache_files.KeptCostCheck`: the median of the first 16
+    steps of each kept length, if 25 % off its kept cost, condemns the table): the table is dropped (the file too), and
+    the next call's `warm_up` times every length again and keeps those. Blocks of 8 tokens of one row run on the
+    artifact's eight-token step once it is attached (`attach_eight_tokens`; AVX2 CPUs), whose costs are kept apart
     (`EIGHT_TOKENS_COSTS_FILE`)."""
 
     kind = "artifact"

@@ -164,8 +164,8 @@ def _read_lengths(path: Path) -> dict[int, float]:
 def eager_costs_at(base, lengths, past: int = 128, repeats: int = 3) -> dict[int, float]:
     """`{n: ms}` of the base's eager forward of `n` tokens, for every `n` in `lengths` (and any looked up before): the
     stored `hf-bpd profile` table where it has them, then the lengths measured before on this machine
-    (`eager_cost_file`), the rest measured now and added to that file (~0.4 s per length for SmolLM2 in fp32, so the
-    first eager drafted call on a machine pays it, not every process). One table per process and base, the same
+    (`eager_cost_file`), the rest measured now and added to that file (timing a length takes several forwards, so
+    the first eager drafted call on a machine pays it, not every process). One table per process and base, the same
     dict on every call."""
     known = _EAGER_MS.setdefault(base, {})
     if all(n in known for n in lengths):

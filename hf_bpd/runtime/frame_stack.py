@@ -3,10 +3,8 @@
 CPython 3.11+ keeps Python frames on a per-thread data stack made of chunks (16 KiB and up). A call whose frame does
 not fit in the current chunk maps a new chunk (`mmap`), and its return unmaps it. When a caller's stack depth puts a
 chunk boundary inside the loop of a decoding step, every step maps and unmaps chunks and faults their pages in again.
-Measured on SmolLM2 with int8 weights (AMD EPYC, AVX-512, 2 threads; compiled plain decoding of one dev prompt, 64
-tokens, called under 4, 5 and 6 extra Python frames): under 5 frames a token took 15.9 ms instead of 10.3 ms, with
-237 page faults per token (0 to 3 at the other depths). On a fresh chunk: 10.0 to 10.5 ms at every depth, and
-~5 page faults per call rather than per token.
+Such a caller makes every step markedly slower, the faster the step the larger the share (docs/performance.md, "Why
+the compiled step is fast"); on a fresh chunk a step runs at the same speed at every caller depth.
 
 `on_fresh_frame_stack(fn, ...)` calls `fn` from a trampoline whose frame is declared large (`co_stacksize`), so
 CPython starts a new chunk for it that leaves `RESERVED_BYTES` free for `fn` and everything it calls, whatever the

@@ -18,18 +18,18 @@ def step_guards(entries) -> list[bool]:
     """The dynamo guards a compiled step keeps (`guard_filter_fn`): everything outside its module tree (the inputs'
     shapes and dtypes, the cache, global state), and the identity of the tensors outside the decoder's repeated layers
     (the output layer, the final norm, the embeddings), which tells one base's step from another's. Dropped: the checks
-    of every layer's attributes, hooks and parameters, which cost ~1.1 ms per call of a SmolLM2 step (measured: dynamo's
-    lookup 1.23 -> 0.16 ms). A step's module tree does not change after compilation; its weights are frozen into the
-    graph anyway."""
+    of every layer's attributes, hooks and parameters, which are most of dynamo's lookup time on every call. A step's
+    module tree does not change after compilation; its weights are frozen into the graph anyway."""
     return [not entry.orig_guard.source.is_unspecialized_nn_module()
             or (entry.guard_type == "ID_MATCH" and _REPEATED_LAYER.search(entry.name) is None) for entry in entries]
 
 
 def call_compiled(compiled, *args):
     """`compiled(*args)` for a shape already compiled, or None where dynamo would compile again: a guard on global
-    state can fail later in a process (measured: transformers' output-capturing registry grew when another model
-    class was loaded), and a compilation there would run without `_Patches` -- without the settings, under dynamo's
-    default limit of 8 shapes per code object -- so the caller compiles under `_Patches` instead (~9 us a call)."""
+    state can fail later in a process (transformers' output-capturing registry, for one, grows when another model
+    class is loaded), and a compilation there would run without `_Patches` -- without the settings, under dynamo's
+    default limit of 8 shapes per code object -- so the caller compiles under `_Patches` instead (the stance adds
+    little to a call)."""
     try:
         with torch.compiler.set_stance("fail_on_recompile"):
             return compiled(*args)

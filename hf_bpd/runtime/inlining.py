@@ -1,16 +1,14 @@
 """The C++ compiler the compiled verification step is built with: the system's GCC, told to inline inductor's GEMM
 micro-kernels for every row count.
 
-Why (measured, AVX-512, torch 2.13, GCC 12): inductor's CPU GEMM template (`CppMicroGemmFP32Vec`, register block
-8 × 48) dispatches the rows of a block to `kernel<rows, 48>` functions. GCC inlines those of up to 4 rows into the
-caller, where the accumulators live in registers; from 5 rows on the function is bigger than its inlining limits,
-stays out of line, and keeps its accumulator array (`VectorizedN<float, rows * 3>`) in memory: 15–24 stores of 64
-bytes per multiply-accumulate step (6–8 rows do that even when inlined, until GCC's complete-peeling limits are
-raised too). That, not the arithmetic, is why a 5-token block cost ~1.5× a 4-token block (`python
-benchmarks/block_profile.py --lengths 4,5 --kernels 10`: the output layer's GEMM 2.4 ms for 4 rows, 5.2 ms for 5).
-With `INLINE_FLAGS` every row count keeps its accumulators in registers: inductor's generated kernel for SmolLM2's
-output layer, built both ways and run alone (2 threads), 3.53 → 2.43 ms for 5 rows and 4.52 → 2.84 ms for 8 (4 rows:
-2.38 ms), with bit-identical results.
+Why (AVX-512, GCC 12): inductor's CPU GEMM template (`CppMicroGemmFP32Vec`, register block 8 × 48) dispatches the
+rows of a block to `kernel<rows, 48>` functions. GCC inlines those of up to 4 rows into the caller, where the
+accumulators live in registers; from 5 rows on the function is bigger than its inlining limits, stays out of line,
+and keeps its accumulator array (`VectorizedN<float, rows * 3>`) in memory: 15–24 stores of 64 bytes per
+multiply-accumulate step (6–8 rows do that even when inlined, until GCC's complete-peeling limits are raised too).
+That, not the arithmetic, would make a 5-token block cost far more than a 4-token one. With `INLINE_FLAGS` every row
+count keeps its accumulators in registers, so a GEMM of 5 to 8 rows costs little more than one of 4, with
+bit-identical results (docs/performance.md, "Why the compiled step is fast").
 
 inductor has no option for extra compiler flags, so this writes a two-line wrapper script around the compiler it
 would use (`$HF_BPD_CACHE/toolchain/hf_bpd-g++`) and passes it as inductor's `cpp.cxx` inside the compiled step's

@@ -2,15 +2,13 @@
 `compile=True` on a CPU).
 
 A drafted step runs the heads on one hidden state right after the verification forward has swept the CPU caches,
-so the heads step costs what its weights weigh: SmolLM2's 4 FFN heads and their draft-vocabulary projection are
-47 MB in fp32 (1.35–1.6 ms per drafted step on an AMD EPYC, 2.8 ms on an Intel Xeon; `benchmarks/step_cost.py`). `Int8HeadsStep` keeps every weight matrix
-as int8 with one fp32 scale per output row (symmetric, `scale = max |row| / 127`; 12 MB) and runs all heads, the
-projection and each head's top-k in one call of a small C++ kernel (`csrc/int8_heads.cpp`, OpenMP on PyTorch's
-thread pool). On CPUs with AVX512-VNNI each input vector is quantised to int16 too (one fp32 scale per vector, at most
-16,383 in magnitude) and the products are summed as exact int32 integers, 16 outputs per vector: 0.56 ms per step
-against 0.93 ms with fp32 activations (SmolLM2's heads, after a 300 MB sweep of the caches, AMD EPYC, 2 threads; top-1
-draft equal on 99.6 % of 269 real hidden states, log-probabilities within 0.009). Elsewhere activations and sums stay
-fp32.
+so the heads step costs what its weights weigh, read from memory. `Int8HeadsStep` keeps every weight matrix as int8
+with one fp32 scale per output row (symmetric, `scale = max |row| / 127`; about a quarter of the fp32 bytes) and runs
+all heads, the projection and each head's top-k in one call of a small C++ kernel (`csrc/int8_heads.cpp`, OpenMP on
+PyTorch's thread pool). On CPUs with AVX512-VNNI each input vector is quantised to int16 too (one fp32 scale per
+vector, at most 16,383 in magnitude) and the products are summed as exact int32 integers, 16 outputs per vector,
+which is faster than fp32 activations (docs/performance.md, "Why the compiled step is fast"). Elsewhere activations
+and sums stay fp32.
 
 A batch's rows run in one call (`Int8HeadsStep.rows`): each weight row is read once for up to 4 (head, row)
 inputs, and every row's output is bit for bit its lone call's (the same sums in the same order).
@@ -46,7 +44,7 @@ HEADERS = [Path(__file__).resolve().parent / "csrc" / "vector_exp.h"]  # include
 # -march=native: the kernel is built on the machine that runs it (the file name carries the CPU's features).
 # -ffp-contract=off: a multiply and an add stay two roundings wherever the compiler meets them, so a row's sums do not
 # depend on which loop (vectorised or not) computed them. With GCC's default (fused where it chooses) the fp32 path
-# (CPUs without AVX512-VNNI: AVX2) gave a batch's rows values differing in the last bit from lone calls.
+# (CPUs without AVX512-VNNI: AVX2) can give a batch's rows values differing in the last bit from lone calls.
 _CXXFLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fvisibility=hidden",
              "-ffp-contract=off", "-DNDEBUG"]
 _lock = threading.Lock()
@@ -90,7 +88,7 @@ def compile_library(arguments: list[str], target: Path, what: str, timeout: int 
 
 
 def build_kernel(force: bool = False) -> Path:
-    """Compile `csrc/int8_heads.cpp` with the C++ compiler (`$CXX`, default g++) into the cache (~2 s, once)."""
+    """Compile `csrc/int8_heads.cpp` with the C++ compiler (`$CXX`, default g++) into the cache, once."""
     target = kernel_file()
     if target.exists() and not force:
         return target

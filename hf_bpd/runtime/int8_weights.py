@@ -8,12 +8,11 @@ the one inductor's weight-only int8 lowering recognises (with `freezing`): compi
 templates reading the int8 weight directly (dequantized in registers, fp32 accumulation), so the compiled steps run on
 a quarter of the fp32 weight bytes; eagerly it is the same arithmetic through a dequantized copy (slow, correct).
 
-Exactness: the templates' small-row micro-kernels add a row's products in the same order whatever the number of rows
-(measured: rows 1, 2, 8 and 16 bit for bit equal on SmolLM2's shapes); what also mattered is where inductor rounds
-to bf16. Fused into a GEMM's epilogue, the scale multiply and the residual add stayed in fp32 for one block length
-and were rounded to bf16 for another (SmolLM2-135M int8, compiled: every row of a block of 8 differed from a one-token
-step); `emulate_precision_casts` makes inductor round wherever the eager program does, and with position-ordered
-attention (`hf_bpd.runtime.ordered_attention`) a block's rows equal one-token steps bit for bit
+Exactness: the templates' small-row micro-kernels add a row's products in the same order whatever the number of
+rows; what also matters is where inductor rounds to bf16. Fused into a GEMM's epilogue, the scale multiply and the
+residual add can stay in fp32 for one block length and be rounded to bf16 for another, so a block's rows would differ
+from one-token steps; `emulate_precision_casts` makes inductor round wherever the eager program does, and with
+position-ordered attention (`hf_bpd.runtime.ordered_attention`) a block's rows equal one-token steps bit for bit
 (`tests/test_int8_weights.py`).
 
 The heads keep the base's activation dtype. `QuantoConfig(weights="int8")` (optimum-quanto) also loads, for eager

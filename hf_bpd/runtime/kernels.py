@@ -8,7 +8,7 @@
 
 Both compute each row of a block by the same instructions in the same order as that row alone, which is what keeps
 drafting exact in half precision. They are built on first use with the C++ compiler against PyTorch's headers
-(~15 s, once, cached per source, flags, CPU and PyTorch version) and registered with fake (meta) implementations, so
+(once, cached per source, flags, CPU and PyTorch version) and registered with fake (meta) implementations, so
 `torch.compile` traces them as opaque calls. `HF_BPD_OFF=kernels` turns them off (inductor's kernels run instead).
 """
 

@@ -4,12 +4,11 @@ A drafted block is exact only if each of its rows is computed as the same row wo
 other summation order flips greedy choices at bf16's many near-ties. `csrc/packed_linear.cpp` is a GEMM built for
 that: every output sums its products in one SIMD lane, input pair after input pair (`vdpbf16ps`), whatever the number
 of rows, so rows are bit-identical by construction. It also reads the weights at memory speed for one row and keeps
-the multiply units busy for 8-16 (measured on SmolLM2's shapes, AMD EPYC, 2 threads: 1.6-3.4x PyTorch's bf16
-`linear`, and faster than its int8 weight-only kernel from 4 rows on; `benchmarks/packed_kernels.py`). On CPUs with
-AMX the same packed weights are the tile unit's B tiles (`tdpbf16ps`, up to 16 rows per tile, each row its own
-fixed-order sum), where 8 or 16 rows cost what one row costs; one engine serves a process
-(`torch.ops.hf_bpd_kernels.packed_linear_engine()`, `HF_BPD_OFF=amx` for the AVX512-BF16 path), because the two engines'
-sums can differ in their last bits.
+the multiply units busy for 8-16, so on SmolLM2's shapes it runs faster than PyTorch's bf16 `linear`, and than its
+int8 weight-only kernel from a few rows on. On CPUs with AMX the same packed weights are the tile unit's B tiles
+(`tdpbf16ps`, up to 16 rows per tile, each row its own fixed-order sum), where 8 or 16 rows cost what one row costs;
+one engine serves a process (`torch.ops.hf_bpd_kernels.packed_linear_engine()`, `HF_BPD_OFF=amx` for the AVX512-BF16
+path), because the two engines' sums can differ in their last bits.
 
 `packed_base(base)` is the module tree the compiled steps of a bf16 or `Int8WeightsConfig` base run: a copy of the
 base's modules sharing every parameter, buffer and config with it, whose linear layers are `PackedLinear`s holding the

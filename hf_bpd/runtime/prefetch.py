@@ -1,15 +1,13 @@
 """Software prefetching in inductor's CPU GEMM micro-kernel, for the compiled verification step.
 
-Why (measured, Intel Xeon with AVX-512, 2 threads, torch 2.13): inductor's fp32 micro-kernel
-(`CppMicroGemmFP32Vec`, register block 8 x 48) walks the prepacked weights and leaves the loads to the hardware
-prefetchers. On that CPU a core keeps too few reads in flight for it: a standalone copy of the kernel read 60
-576 x 1536 matrices (212 MB, caches cold) at 26 GB/s with 1 row and at 16 GB/s with 8 rows (137 / 218 us per
-matrix): the arithmetic stalled the stream. Asking for each weight row `PREFETCH_ROWS` rows ahead
-(`__builtin_prefetch`, one per cache line) made the 8-row kernel as fast as the 1-row one (141 us) and the 1-row one
-faster (104 us); 8 rows ahead helped less (164 us). In the compiled SmolLM2 step (`python
-benchmarks/block_profile.py --lengths 1,8 --kernels 8`) a block of 8 tokens went from 40.3 to 30.7 ms (its GEMMs
-31 -> 23 ms) and one token from 25.2 to 24.6 ms; 96 rows ahead: 32.8 ms. Prefetches never fault and change no
-arithmetic: the results are bit-identical (`tests/test_inlining.py`).
+Why: inductor's fp32 micro-kernel (`CppMicroGemmFP32Vec`, register block 8 x 48) walks the prepacked weights and
+leaves the loads to the hardware prefetchers. On CPUs whose cores keep too few reads in flight for it, the arithmetic
+of a block of several rows stalls the weight stream: a block of 8 tokens reads the weights markedly slower than one
+token does. Asking for each weight row `PREFETCH_ROWS` rows ahead (`__builtin_prefetch`, one per cache line) keeps
+the stream going: the 8-row kernel then reads as fast as the 1-row one, which gets faster too, and a compiled block
+of 8 tokens is much cheaper (docs/performance.md, "Why the compiled step is fast"); a shorter or a longer
+distance helped less. Prefetches never fault and change no arithmetic: the results are bit-identical
+(`tests/test_inlining.py`).
 
 inductor has no option for it, so while the compiled step compiles (inside its config patch only: the user's own
 `torch.compile` calls are untouched) the micro-kernel's template gets the prefetch line. The template is inductor's

@@ -1,6 +1,6 @@
 """Compilation without noise: inductor's `max_autotune` writes a table per GEMM it tunes (`AUTOTUNE packed_linear(...)`,
-`SingleProcess AUTOTUNE benchmarking takes ...`, `Autotune Choices Stats: {...}`) straight to stderr, ~100 lines
-for one SmolLM2 step, and its benchmarking raises deprecation warnings. `quiet_compilation()` turns both off around
+`SingleProcess AUTOTUNE benchmarking takes ...`, `Autotune Choices Stats: {...}`) straight to stderr, many lines
+for every step compiled, and its benchmarking raises deprecation warnings. `quiet_compilation()` turns both off around
 hf_bpd's own compiles (the user's own `torch.compile` calls are untouched), unless `HF_BPD_DEBUG=1` or transformers'
 logging verbosity is INFO or more detailed (`transformers.logging.set_verbosity_info()`)."""
 

@@ -2,14 +2,11 @@
 
 inductor picks the micro-kernel's register block (rows x columns of the output it keeps in registers) by its size
 first. On AVX2 that is 4 x 24, so a GEMM over 16 rows (a batch of 16, one token each) passes over every weight panel
-four times; its one other fp32 AVX2 block, 8 x 8, passes twice. Measured in one process (SmolLM2-135M fp32, AMD EPYC
-with AVX2 and no AVX-512, 2 threads, the artifact's one-token batch step built both ways, 300 cached tokens, medians
-of 8 alternating 11-call medians): 16 rows 89.5 ms with 8 x 8 against 106.1 with 4 x 24, 12 rows 80.0 against 89.3,
-8 rows 58.1 against 70.3, 2 rows 30.6 against 36.1, 4 rows 41.7 against 39.7 and 1 row 31.2 against 31.7 (within
-the rounds' spread). The logits were equal bit for bit: the block changes which outputs a kernel call computes, not
-the order of any sum. In graphs whose block length is dynamic (the artifact's step, tuned for 8 tokens) 8 x 8 did not
-pay (docs/performance.md#compiled-steps), so only the graphs beside it get it (`batch_step_block`): the batch steps of one
-and two tokens a row, and the eight-token step, whose 8 rows are static (32.2 ms against 41.1 on the step).
+four times; its one other fp32 AVX2 block, 8 x 8, passes twice, so a batch step of 8 or more rows runs faster on
+8 x 8, and one of fewer rows no slower. The logits are equal bit for bit: the block changes which outputs a kernel
+call computes, not the order of any sum. In graphs whose block length is dynamic (the artifact's step, tuned for 8
+tokens) 8 x 8 did not pay, so only the graphs beside it get it (`batch_step_block`): the batch steps of one and two
+tokens a row, and the eight-token step, whose 8 rows are static (docs/performance.md, "Compiled steps").
 
 inductor has no option for the register block, so while the graph compiles (inside `register_block` only) its list
 of fp32 micro-kernel configurations for this CPU's instruction set keeps the chosen block's. The list is inductor's
@@ -43,7 +40,7 @@ def batch_step_block() -> tuple[int, int, int] | None:
     """The register block the batch steps (one and two tokens a row) are built with on this CPU: 8 x 8 where the
     CPU's vector capability is AVX2 (no AVX-512), else None (inductor's choice); None with `HF_BPD_OFF=register-block`.
     Read from torch's capability, not inductor's instruction-set probe: every batch step's key asks for it, and
-    the probe costs ~6 s in a process that has not loaded inductor (where the two disagree, `register_block` finds
+    the probe is slow in a process that has not loaded inductor (where the two disagree, `register_block` finds
     no 8 x 8 entry and changes nothing)."""
     from ..environment import off
 
