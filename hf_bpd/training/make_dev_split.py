@@ -1,6 +1,6 @@
 """Hold out a dev split and a tuning split of instruction prompts (MT-bench layout: question_id, category, turns).
 
-    python training/make_dev_split.py --data ../shared/data --per-source 10 --output benchmarks/dev_prompts.jsonl \\
+    python training/make_dev_split.py --data DATA_DIR --per-source 10 --output benchmarks/dev_prompts.jsonl \\
         --tune-per-source 2 --tune-output benchmarks/tune_prompts.jsonl
 
 The dev prompts (the first `--per-source` of each source's shuffled order) are what `hf-bpd bench` reports on; the
@@ -34,7 +34,7 @@ def shuffled(records, seed: int) -> list:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--data", default="../shared/data")
+    p.add_argument("--data", required=True, help="the folder holding the source files (SOURCES)")
     p.add_argument("--per-source", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="benchmarks/dev_prompts.jsonl")

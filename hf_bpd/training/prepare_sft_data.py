@@ -1,6 +1,6 @@
 """Mix instruction data into one ShareGPT JSONL for head training, holding out the dev prompts.
 
-    python training/prepare_sft_data.py --data ../shared/data \\
+    python training/prepare_sft_data.py --data DATA_DIR \\
         --exclude benchmarks/dev_prompts.jsonl benchmarks/tune_prompts.jsonl \\
         --per-source 320 --output data/sft_mix.jsonl [--distilled data/distilled.jsonl]
 """
@@ -17,7 +17,7 @@ from .make_dev_split import SOURCES, shuffled
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--data", default="../shared/data")
+    p.add_argument("--data", required=True, help="the folder holding the source files (SOURCES)")
     p.add_argument("--exclude", nargs="*", default=["benchmarks/dev_prompts.jsonl", "benchmarks/tune_prompts.jsonl"],
                    help="prompt files held out of training (dev and tuning splits)")
     p.add_argument("--per-source", type=int, default=1500)
