@@ -150,6 +150,11 @@ def test_calibrate_fits_every_head_and_eager_costs_are_cached(one_thread):
     cal, records = calibrate(model, prompts, max_new_tokens=12, eos_token_id=None)
     assert len(cal.accept) == 3 and records and {h for h, _, _ in records} <= {0, 1, 2}
     assert "| 1 |" in reliability_table(cal, records)
+    # a checkpoint shipped with the cost schedule: the rank factors' p-best paths (16 over 3 heads, a block of 49, more
+    # than "cost" weighs) are ranked without it
+    model.generation_config.draft_schedule = "cost"
+    assert len(calibrate(model, prompts[:1], max_new_tokens=8, rank_paths=16, eos_token_id=None)[0].accept) == 3
+    model.generation_config.draft_schedule = "fixed"
     costs = eager_costs(model.base_lm, 4, past=8, repeats=1)
     assert {1, 2, 4} <= set(costs) and min(costs.values()) > 0
     assert eager_costs(model.base_lm, 4) is costs  # measured once per process

@@ -91,7 +91,7 @@ def calibrate(model, prompts, max_new_tokens: int = 256, bins: int = 10, rank_pa
     # the p-best drafter `generate(num_drafts=rank_paths)` would use (rescorer, lattice width), over every head
     ranking = {k: v for k, v in options.items() if k in ("rescorer", "draft_top_k")}
     ranking.update(num_drafts=max(rank_paths, 1), num_heads_to_use=options.get("num_heads_to_use") or
-                   model.config.num_heads, tree=None, draft_nodes=None, prompt_lookup=False)
+                   model.config.num_heads, tree=None, draft_nodes=None, prompt_lookup=False, draft_schedule="fixed")
     drafter = plan_drafting(model, drafting_options(ranking, None, model.generation_config)).drafter
     options.setdefault("compile", False)  # acceptance does not depend on the kernels; compiling would cost minutes
     for inputs in prompts:
