@@ -15,8 +15,8 @@ transformers, ...):
 * `summary`: one row per method over every prompt, `by_category`: one per (category, method). Row keys: `method`,
   `category`, `samples`, `new_tokens`, `seconds`, `tokens_per_s` (new tokens / seconds), `speedup_vs_ar` (tokens/s
   over ar's on the same prompts), `vs_best_plain` (tokens/s over the faster of the plain paths that ran, `ar` and
-  `ar-compiled`: what a user compares with), `vs_llama_cpp` (over the fastest llama.cpp method's, plain or speculative, when one ran),
-  `block_efficiency` (new tokens / serial calls), `serial_calls`, `mean_accepted` (accepted draft tokens per serial
+  `ar-compiled`: what a user compares with), `vs_llama_cpp` (over the fastest llama.cpp method's, plain or
+  speculative, when one ran), `block_efficiency` (new tokens / serial calls), `serial_calls`, `mean_accepted` (accepted draft tokens per serial
   call after the first), `draft_share` (drafting time / total time), `exact` (every output token-identical to ar's)
   and `exact_rate`.
 * `samples`: one record per (prompt, turn, method): `id`, `category`, `turn`, `method`, `prompt_tokens`,

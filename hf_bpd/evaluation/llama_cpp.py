@@ -40,15 +40,20 @@ PROBE = ("import sys, llama_cpp; m = llama_cpp.Llama(model_path=sys.argv[1], n_c
          "verbose=False); [t for _, t in zip(range(4), m.generate([1, 2, 3], top_k=1, temp=0.0))]; m.close()")
 
 
+def _given_gguf(value: str | Path, flag: str) -> Path:
+    """The GGUF file a command-line flag names, or the method skipped with a note saying the flag's file is none."""
+    path = Path(value)
+    if not path.is_file() or path.suffix != ".gguf":
+        raise MethodSkipped(f"{flag} {value}: no such .gguf file")
+    return path
+
+
 def gguf_of(model, gguf: str | Path | None = None) -> Path:
     """The GGUF file llama.cpp decodes: `gguf` when given, else the packaged base alias's file."""
     from ..hub.base_models import PACKAGED_MODELS
 
     if gguf is not None:
-        path = Path(gguf)
-        if not path.is_file() or path.suffix != ".gguf":
-            raise MethodSkipped(f"--gguf {gguf}: no such .gguf file")
-        return path
+        return _given_gguf(gguf, "--gguf")
     base = getattr(model, "base_lm", model)
     names = [getattr(model.config, "base_model_name_or_path", None), base.config.name_or_path]
     alias = next((n for n in names if n in PACKAGED_MODELS), None)
@@ -87,10 +92,7 @@ def draft_gguf_of(draft: str | Path | None, assistant: str | None) -> Path:
     from ..hub.base_models import PACKAGED_MODELS
 
     if draft is not None:
-        path = Path(draft)
-        if not path.is_file() or path.suffix != ".gguf":
-            raise MethodSkipped(f"--draft-gguf {draft}: no such .gguf file")
-        return path
+        return _given_gguf(draft, "--draft-gguf")
     if assistant in PACKAGED_MODELS:
         return PACKAGED_MODELS[assistant].gguf()
     raise MethodSkipped("llama.cpp's speculative decoding needs a draft model: pass --assistant-model with a packaged "

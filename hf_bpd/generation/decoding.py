@@ -34,9 +34,8 @@ from ..rescorers.registry import resolve_rescorer
 from ..runtime import execution
 from .batch import decode_batch
 from .calibration import HeadCalibration
-from .config import SCHEDULES
+from .config import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS, SCHEDULES, DraftingOptions, _int_value
 from .controller import CostSchedule, StepSwitch, eager_costs
-from .config import MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, MAX_NUM_DRAFTS, DraftingOptions, _int_value
 from .drafting import BlockDrafter, Drafter, NoDrafter
 from .feature_drafting import FeatureChainDrafter
 from .near_ties import EagerReferee, default_tie_margin
@@ -340,17 +339,17 @@ def _blockwise_decoding(model, input_ids, logits_processor, stopping_criteria, g
             drafter.use_heads_step(execution.eager_heads_step(*request, model.config.draft_size))
     else:
         verifier = compiled.verifier
-    budget = None
+    cost_schedule = None
     if plan.schedule == "cost" and drafter.max_block_length() > 1:
         costs = compiled.costs if compiled is not None else eager_costs(model.base_lm, drafter.max_block_length())
-        budget = CostSchedule(costs, plan.calibration)
+        cost_schedule = CostSchedule(costs, plan.calibration)
     switch = None
     if plan.schedule == "switch" and drafter.max_block_length() > 1:
         plain_ms = compiled.costs.get(1) if compiled is not None else None
         switch = StepSwitch(plain_ms if plain_ms else eager_costs(model.base_lm, 1)[1])
     with compiled.lock if compiled is not None else contextlib.nullcontext():
-        return _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan, budget,
-                       switch)
+        return _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan,
+                       cost_schedule, switch)
 
 
 def _within(drafts: list[tuple[int, ...]], depth: int) -> list[tuple[int, ...]]:
@@ -358,12 +357,12 @@ def _within(drafts: list[tuple[int, ...]], depth: int) -> list[tuple[int, ...]]:
     return list(dict.fromkeys(d[:depth] for d in drafts if depth > 0))
 
 
-def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan, budget=None,
-            switch=None):
+def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, generation_config, plan,
+            cost_schedule=None, switch=None):
     stats, drafter, streamer = plan.stats, plan.drafter, plan.streamer
-    nodes_weighed = budget is not None and drafter.budgeted()
+    nodes_weighed = cost_schedule is not None and drafter.budgeted()
     if nodes_weighed:  # a node budget: the drafter verifies the likeliest nodes that pay (`choose_nodes`)
-        drafter.set_draft_nodes(drafter.draft_nodes, count=lambda chances: budget.choose_nodes(
+        drafter.set_draft_nodes(drafter.draft_nodes, count=lambda chances: cost_schedule.choose_nodes(
             chances, overhead_ms=1000 * stats.draft_seconds / len(stats.accepted_lengths)))
     if isinstance(streamer, (list, tuple)):  # one streamer per row (batches); a batch of one
         if len(streamer) != 1:
@@ -406,9 +405,9 @@ def _decode(model, verifier, input_ids, logits_processor, stopping_criteria, gen
             if switch.probe_due():
                 switch.start_probe(drafter.drafts(hidden, decoded.tokens, room)[0], len(decoded.tokens))
         stats.draft_probs.append(probs)
-        if budget is not None and drafts and not nodes_weighed:
+        if cost_schedule is not None and drafts and not nodes_weighed:
             steps = len(stats.accepted_lengths)
-            depth = budget.choose(probs, overhead_ms=1000 * stats.draft_seconds / steps,
+            depth = cost_schedule.choose(probs, overhead_ms=1000 * stats.draft_seconds / steps,
                                   block_cost=lambda k: 1 + len({d[:j] for d in drafts for j in range(1, k + 1)}))
             drafts = _within(drafts, depth)
         tree = DraftTree(drafts)

@@ -216,7 +216,7 @@ def best_first_nodes(paths: list[tuple[tuple[int, ...], list[float]]], budget: i
     `budget` most likely nodes form prefixes: they are returned as one draft per chain (its chosen prefix), ties
     going to the earlier chain. This is how prompt lookup's copy competes with the heads' chain for the same
     verification slots. `count(chances)`, given the chances of the `budget` likeliest nodes in order, may take fewer
-    (`controller.CostSchedule.node_count`: `draft_schedule="cost"`).
+    (`controller.CostSchedule.choose_nodes`: `draft_schedule="cost"`).
     """
     value: dict[tuple[int, ...], float] = {}
     order: dict[tuple[int, ...], int] = {}
