@@ -1,19 +1,17 @@
 """The timing tables a machine keeps under hf_bpd's cache, as the test session found them.
 
-hf_bpd keeps what it times on a machine for later processes: an artifact's block costs (`step_costs.json`;
-`step_costs_eight_tokens.json` with its eight-token step), its batch step costs per row count (`batch_costs.json`)
-and eager forward costs (`costs/*.json`). Tests on the shipped checkpoints run on the user's artifacts, so their
-timings, taken while the suite loads both cores, would be kept and priced every later call on that machine (a 2-core
-AMD EPYC: one token 40.5 ms in a table kept during the suite, 29.8 timed alone). `tests/conftest.py` takes a
-snapshot before the session and puts it back after it.
+hf_bpd keeps what it times on a machine for later processes: an artifact's step costs (`step_costs.json`: a lone
+call's blocks, and its batch steps per row count) and eager forward costs (`costs/*.json`). Tests on the shipped
+checkpoints run on the user's artifacts, so their timings, taken while the suite loads both cores, would be kept and
+priced every later call on that machine. `tests/conftest.py` takes a snapshot before the session and puts it back
+after it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-KEPT = ("artifacts/*/step_costs.json", "artifacts/*/step_costs_eight_tokens.json", "artifacts/*/batch_costs.json",
-        "costs/*.json")
+KEPT = ("artifacts/*/step_costs.json", "costs/*.json")
 
 
 def kept_tables(root: Path) -> dict[Path, bytes]:

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hf_bpd import BlockwiseParallelForCausalLM
 from hf_bpd.runtime import artifacts, cache_files
+from hf_bpd.runtime.cache_files import COSTS_FILE, KeptCosts
 from hf_bpd.runtime.compiled import ArtifactRunner, _RUNNERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -429,7 +430,7 @@ def test_an_artifact_runner_times_its_own_steps_once_per_machine(built, monkeypa
     from hf_bpd.runtime import batched
 
     _, base, path = built
-    (path.parent / batched.COSTS_FILE).unlink(missing_ok=True)
+    (path.parent / COSTS_FILE).unlink(missing_ok=True)
     runner = batched.ArtifactBatchedRunner(base, 4, 64, artifacts.load(base))
     runner.set_length(20)
     before = [t.clone() for t in runner.kv]
@@ -437,17 +438,17 @@ def test_an_artifact_runner_times_its_own_steps_once_per_machine(built, monkeypa
     assert sorted(costs) == [1, 2, 4, 8, 12] and all(ms > 0 for ms in costs.values())
     assert int(runner.cache.layers[0].cumulative_length) == 20  # rolled back
     assert all(torch.equal(a[:, :, :20], b[:, :, :20]) for a, b in zip(before, runner.kv))  # the used slots kept
-    stored = json.loads((path.parent / batched.COSTS_FILE).read_text())
+    stored = json.loads((path.parent / COSTS_FILE).read_text())
     assert {int(n) for n in stored["4 rows"]} == set(costs)
     calls = []
     monkeypatch.setattr(batched.ArtifactBatchedRunner, "run", lambda self, *a, **k: calls.append(a))
     again = batched.ArtifactBatchedRunner.__new__(batched.ArtifactBatchedRunner)
-    again.__dict__.update(runner.__dict__, _costs={}, _costs_key=None)
+    again.__dict__.update(runner.__dict__, _costs={}, kept=KeptCosts(None, ""))
     assert again.measured_costs(3) == pytest.approx(costs, abs=1e-3) and not calls
     # the one-token batch step's costs are its own: with it, the runner times its steps again
     again.one_token = artifacts.load(base, graph=artifacts.ONE_TOKEN)
     again.measured_costs(3)
-    assert calls and "4 rows, one-token batch step" in json.loads((path.parent / batched.COSTS_FILE).read_text())
+    assert calls and "4 rows, one-token batch step" in json.loads((path.parent / COSTS_FILE).read_text())
 
 
 def test_a_drafting_batch_on_the_artifact_weighs_widths_by_the_runners_costs(built, monkeypatch):
@@ -479,9 +480,13 @@ def test_a_lone_calls_block_costs_are_timed_once_per_machine(built, monkeypatch)
     from hf_bpd.runtime import compiled
 
     _, base, path = built
-    kept = path.parent / compiled.STEP_COSTS_FILE
+    kept = path.parent / COSTS_FILE
     kept.unlink(missing_ok=True)
     noisy, timed = {}, []
+
+    def one_row():
+        return json.loads(kept.read_text())[compiled.ONE_ROW]
+
 
     def fixed(self, calls, past, tokens, positions, mask):
         n = tokens.shape[1]
@@ -493,12 +498,12 @@ def test_a_lone_calls_block_costs_are_timed_once_per_machine(built, monkeypatch)
     runner = ArtifactRunner(base, 64, artifact)
     runner.warm_up([1, 4], torch.device("cpu"))
     assert runner.bucket_ms == pytest.approx({1: 10.0, 4: 13.0}) and set(timed) == {1, 4}
-    assert json.loads(kept.read_text()) == {"1": 10.0, "4": 13.0}
+    assert one_row() == {"1": 10.0, "4": 13.0}
     timed.clear()
     again = ArtifactRunner(base, 64, artifact)
     assert again.bucket_ms == pytest.approx({1: 10.0, 4: 13.0})
     again.warm_up([1, 2, 3, 4], torch.device("cpu"))
-    assert set(timed) == {2, 3} and json.loads(kept.read_text()) == {"1": 10.0, "2": 11.0, "3": 12.0, "4": 13.0}
+    assert set(timed) == {2, 3} and one_row() == {"1": 10.0, "2": 11.0, "3": 12.0, "4": 13.0}
     # a new process's first call (`generate`) reads the kept table: nothing timed, the output exact
     timed.clear()
     _RUNNERS.pop(base, None)
@@ -508,10 +513,10 @@ def test_a_lone_calls_block_costs_are_timed_once_per_machine(built, monkeypatch)
     assert torch.equal(model.generate(ids, compile=True, draft_schedule="cost", **kw), base.generate(ids, **kw))
     assert model.last_generation_stats.verifier == "artifact" and not timed
     # a kept length timed on a loaded machine (5 tokens at 40 ms): new timings that disagree with it replace the table
-    kept.write_text(json.dumps({"5": 40.0}))
+    kept.write_text(json.dumps({compiled.ONE_ROW: {"5": 40.0}}))
     loaded = ArtifactRunner(base, 64, artifact)
     loaded.warm_up([1, 4, 8], torch.device("cpu"))
-    assert json.loads(kept.read_text()) == {"1": 10.0, "4": 13.0, "8": 17.0}
+    assert one_row() == {"1": 10.0, "4": 13.0, "8": 17.0}
     kept.unlink()
     noisy[4] = 0.008  # 4 tokens timed 20 % under 1: noise, not kept
     fresh = ArtifactRunner(base, 64, artifact)
@@ -528,9 +533,9 @@ def test_a_kept_cost_table_that_the_steps_contradict_is_timed_again(built):
     from hf_bpd.runtime import cache_files, compiled
 
     _, base, path = built
-    kept = path.parent / compiled.STEP_COSTS_FILE
+    kept = path.parent / COSTS_FILE
     _RUNNERS.pop(base, None)
-    kept.write_text(json.dumps({str(n): 500.0 + 10 * n for n in range(1, artifacts.MAX_BLOCK + 1)}))
+    kept.write_text(json.dumps({compiled.ONE_ROW: {str(n): 500.0 + 10 * n for n in range(1, artifacts.MAX_BLOCK + 1)}}))
     model = BlockwiseParallelForCausalLM.from_base(base, num_heads=2).eval()
     ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(8))
     kw = dict(max_new_tokens=64, do_sample=False, eos_token_id=None)
@@ -538,28 +543,29 @@ def test_a_kept_cost_table_that_the_steps_contradict_is_timed_again(built):
     assert torch.equal(model.generate(ids, compile=True, draft_schedule="fixed", **kw), base.generate(ids, **kw))
     assert len(model.last_generation_stats.accepted_lengths) > cache_files.STALE_STEPS
     runner = next(r for r in _RUNNERS[base].values() if isinstance(r, ArtifactRunner))
-    assert runner.bucket_ms.get(1) != 500.0 and not kept.exists()  # dropped during the call
+    assert runner.bucket_ms.get(1) != 500.0 and compiled.ONE_ROW not in json.loads(kept.read_text())  # dropped
     assert torch.equal(model.generate(ids, compile=True, draft_schedule="cost", **kw), base.generate(ids, **kw))
-    timed = json.loads(kept.read_text())  # timed again in the next call's warm-up, and kept
+    timed = json.loads(kept.read_text())[compiled.ONE_ROW]  # timed again in the next call's warm-up, and kept
     assert set(timed) >= {"1"} and max(timed.values()) < 100.0
     # a table the steps confirm stays: the same costs read back by a new runner, checked against matching steps
     again = ArtifactRunner(base, 64, artifacts.load(base))
-    assert again.kept.unchecked == {int(b) for b in timed}
+    assert again.kept.check.unchecked == {int(b) for b in timed}
     for _ in range(cache_files.STALE_STEPS):
         again._check_kept(1, timed["1"])
-    assert 1 not in again.kept and again.bucket_ms[1] == timed["1"] and kept.exists()
+    assert 1 not in again.kept and again.bucket_ms[1] == timed["1"]
+    assert json.loads(kept.read_text())[compiled.ONE_ROW] == timed
     _RUNNERS.pop(base, None)
 
 
 def test_a_kept_batch_cost_table_that_the_steps_contradict_is_timed_again(built):
-    """The batched runner's kept step costs (`batch_costs.json`) are checked as the lone runner's are: a row count's
+    """The batched runner's kept step costs (`KeptCosts` entries) are checked as the lone runner's are: a row count's
     table that its steps contradict (500 ms a step for a tiny model) is dropped with its entry in the file during the
     call, the next call times the steps again and keeps them, the other row counts' entries stay; rows stay exact."""
     from hf_bpd.runtime import batched, cache_files
     from tests.test_batch import PAD, check_rows, left_padded, random_prompts
 
     _, base, path = built
-    kept = path.parent / batched.COSTS_FILE
+    kept = path.parent / COSTS_FILE
     kept.unlink(missing_ok=True)  # what earlier tests kept (with run() replaced, 0 ms a step) is not this one's
     batched.discard_batched_runners(base)
     model = BlockwiseParallelForCausalLM.from_base(base, num_heads=2).eval()
@@ -577,18 +583,18 @@ def test_a_kept_batch_cost_table_that_the_steps_contradict_is_timed_again(built)
     out = model.generate(ids, attention_mask=mask, compile=True, **kwargs)
     assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
     runner = next(iter(batched._RUNNERS[base].values()))
-    assert not runner.kept.unchecked and not runner._costs  # found wrong during the call, dropped
+    assert not runner.kept.check.unchecked and not runner._costs  # found wrong during the call, dropped
     stored = json.loads(kept.read_text())
     dropped = [e for e in entries if e not in stored]
     assert len(dropped) == 1 and stored["2 rows"] == {"1": 7.0}  # the entry its steps priced, no other
     out = model.generate(ids, attention_mask=mask, compile=True, **kwargs)  # times them again, and keeps them
     assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
-    entry = runner._cost_entry(runner._costs_key)
+    entry = runner.kept.entry
     retimed = json.loads(kept.read_text())[entry]
     assert entry == dropped[0] and set(retimed) == set(honest[entry]) and max(retimed.values()) < 100.0
     # a table the steps confirm stays: checked against steps that match it
     ms = runner._costs[4]
-    runner.kept = cache_files.KeptCostCheck([4])
+    runner.kept.check = cache_files.KeptCostCheck([4])
     for _ in range(cache_files.STALE_STEPS):
         runner._check_kept(4, ms)
     assert 4 not in runner.kept and runner._costs[4] == ms and json.loads(kept.read_text())[entry] == retimed
@@ -628,7 +634,7 @@ def test_the_eight_token_step_equals_the_eager_step_and_serves_lone_blocks_of_8(
         return Counted() if graph == artifacts.EIGHT_TOKENS else load(base, threads, again, graph)
 
     monkeypatch.setattr(artifacts, "load", counted_load)
-    kept = directory / compiled.EIGHT_TOKENS_COSTS_FILE
+    kept = directory / COSTS_FILE
     kept.unlink(missing_ok=True)
     _RUNNERS.pop(base, None)
     model = BlockwiseParallelForCausalLM.from_base(base, num_heads=4).eval()
@@ -638,13 +644,13 @@ def test_the_eight_token_step_equals_the_eager_step_and_serves_lone_blocks_of_8(
     assert torch.equal(out, base.generate(ids, **kw)) and model.last_generation_stats.verifier == "artifact"
     assert calls and all(shape == (1, 8) for shape in calls)
     runner = next(r for r in _RUNNERS[base].values() if isinstance(r, ArtifactRunner))
-    assert runner.eight_tokens is not None and runner._costs_path() == kept
+    assert runner.eight_tokens is not None and runner.kept.entry == compiled.ONE_ROW_EIGHT_TOKENS
     runner.warm_up([1, 8], torch.device("cpu"))
     # kept in its own table (both lengths, or the newly timed one alone when the suite's load timed 8 tokens clearly
     # under 1: `ArtifactRunner.warm_up` keeps no table it finds out of order)
-    assert set(json.loads(kept.read_text())) & {"1", "8"}
+    assert set(json.loads(kept.read_text())[compiled.ONE_ROW_EIGHT_TOKENS]) & {"1", "8"}
     runner.attach_eight_tokens(None)  # back on the step: its own table
-    assert runner._costs_path() == directory / compiled.STEP_COSTS_FILE
+    assert runner.kept.entry == compiled.ONE_ROW
     _RUNNERS.pop(base, None)
     monkeypatch.undo()
 

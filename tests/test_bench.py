@@ -414,6 +414,24 @@ def test_draft_slots_script_smoke(checkpoint, tmp_path, capsys):
     assert verify_runtime.COMPILED_DRAFT_SLOTS == 7  # restored by the script
 
 
+def test_exactness_script_smoke(checkpoint, tmp_path, capsys):
+    """benchmarks/exactness.py on the tiny checkpoint in bf16: the compiled default equals compiled plain decoding on
+    every prompt, and the summary counts them."""
+    from tests.test_training import ROOT
+
+    spec = importlib.util.spec_from_file_location("exactness", ROOT / "benchmarks" / "exactness.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "exactness.json"
+    assert module.main(["--model", str(checkpoint[1]), "--questions", str(write_questions(tmp_path / "q.jsonl")),
+                        "--limit", "2", "--max-new-tokens", "8", "--dtype", "bf16", "--threads", "1",
+                        "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["summary"]["prompts"] == 2 and report["summary"]["identical"] == 2
+    assert all(row["verifier"] == "compiled" and row["new_tokens"] > 0 for row in report["rows"])
+    assert '"identical": 2' in capsys.readouterr().out
+
+
 def test_vs_best_plain_divides_by_the_faster_plain_path():
     from hf_bpd.evaluation.bench import summarize_samples
 

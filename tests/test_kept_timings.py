@@ -12,25 +12,25 @@ def _write(path, data):
 
 def test_tables_written_changed_or_removed_during_a_session_are_put_back(tmp_path):
     step = tmp_path / "artifacts" / "key1" / "step_costs.json"
-    batch = tmp_path / "artifacts" / "key1" / "batch_costs.json"
+    batch = tmp_path / "artifacts" / "key3" / "step_costs.json"
     eager = tmp_path / "costs" / "abc-float32-AVX2-2t-eager.json"
     other = tmp_path / "artifacts" / "key1" / "key.json"  # not a timing table: left alone
-    _write(step, {"1": 22.4, "8": 35.8})
-    _write(batch, {"4": {"1": 29.0}})
+    _write(step, {"1 row": {"1": 22.4, "8": 35.8}})
+    _write(batch, {"4 rows": {"1": 29.0}})
     _write(other, {"cpu": "AVX2"})
     before = kept_tables(tmp_path)
     assert set(before) == {step, batch}
 
-    _write(step, {"9": 37.9})  # a test's timing under load replaced the table
+    _write(step, {"1 row": {"9": 37.9}})  # a test's timing under load replaced the table
     batch.unlink()  # a condemned table was dropped
     _write(eager, {"lengths": [1], "eager_ms": [90.0]})  # a table kept for the first time
-    _write(tmp_path / "artifacts" / "key2" / "step_costs.json", {"1": 50.0})  # an artifact built during the session
+    _write(tmp_path / "artifacts" / "key2" / "step_costs.json", {"1 row": {"1": 50.0}})  # an artifact built during the session
     _write(other, {"cpu": "AVX512"})
 
     changed = restore(tmp_path, before)
     assert kept_tables(tmp_path) == before
-    assert json.loads(step.read_text()) == {"1": 22.4, "8": 35.8}
-    assert json.loads(batch.read_text()) == {"4": {"1": 29.0}}
+    assert json.loads(step.read_text()) == {"1 row": {"1": 22.4, "8": 35.8}}
+    assert json.loads(batch.read_text()) == {"4 rows": {"1": 29.0}}
     assert not eager.exists()
     assert json.loads(other.read_text()) == {"cpu": "AVX512"}
     assert len(changed) == 4

@@ -5,7 +5,9 @@ import copy
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
 
+from hf_bpd import BlockwiseParallelForCausalLM
 from hf_bpd.generation.tree import DraftTree
 from hf_bpd.runtime import compiled as verify_runtime
 from hf_bpd.runtime.compiled_verifier import CompiledVerifier
@@ -109,17 +111,17 @@ def bf16_model(one_thread):
     torch._dynamo.reset()  # dynamo keeps at most MAX_COMPILED_SHAPES graphs of the step's code: leave room for others
 
 
-def assert_tree_rows_equal_one_token_steps(model, runner):
+def assert_tree_rows_equal_one_token_steps(model, runner, ids=None):
     """A compiled tree block's logits equal, bit for bit, the one-token compiled steps at the same positions (the
-    tree's path decoded plainly)."""
-    ids = prompt_ids(3, 11)
+    tree's path decoded plainly), and so do the final hidden states, after the prompt `ids`."""
+    ids = prompt_ids(3, 11) if ids is None else ids
     path = [7, 8, 9]
     tree = DraftTree([(20, 21), tuple(path), (7, 30)])
     with runner.lock, torch.no_grad():
         verifier = CompiledVerifier(model, runner)
         verifier.buckets = [1, 8]
         verifier.prefill(ids)
-        block, _ = verifier.verify(5, tree, "cpu")
+        block, block_hidden = verifier.verify(5, tree, "cpu")
         node, rows = -1, [0]
         for token in path:
             node = tree.children[node][token]
@@ -128,8 +130,9 @@ def assert_tree_rows_equal_one_token_steps(model, runner):
         verifier = CompiledVerifier(model, runner)
         verifier.prefill(ids)
         for step, token in enumerate([5] + path):
-            logits, _ = verifier.verify(token, DraftTree([]), "cpu")
+            logits, hidden = verifier.verify(token, DraftTree([]), "cpu")
             assert torch.equal(logits[0], block[rows[step]]), step
+            assert torch.equal(hidden[0], block_hidden[rows[step]]), step
             verifier.keep(1, [0])
         verifier.close(10 ** 9)
 
@@ -140,6 +143,34 @@ def test_compiled_bf16_block_rows_equal_one_token_steps(bf16_model):
     runner = verify_runtime.compiled_runner(bf16_model.base_lm, 64)
     assert runner.ordered
     assert_tree_rows_equal_one_token_steps(bf16_model, runner)
+
+
+@pytest.fixture(scope="module")
+def wide_bf16_model():
+    """A four-layer bf16 Qwen2 as wide as Qwen2.5-1.5B (hidden size 1,536, q/k/v biases), run on two threads: there a
+    one-token step's norm is long enough for inductor to split it over the threads (`compiled.SERIAL_LOOPS`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=128, hidden_size=1536, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=256)
+    base = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # entries of many magnitudes, as a trained base's: a norm's fp32 sums then round
+        embeddings = base.get_input_embeddings().weight
+        embeddings.copy_(torch.randn(embeddings.shape) * torch.exp(2 * torch.randn(embeddings.shape)))
+    model = BlockwiseParallelForCausalLM.from_base(base.to(torch.bfloat16), num_heads=3).eval()
+    yield model
+    verify_runtime.discard_runners(model.base_lm)
+    torch._dynamo.reset()
+    torch.set_num_threads(threads)
+
+
+def test_compiled_bf16_block_rows_equal_one_token_steps_on_two_threads(wide_bf16_model):
+    """Rows of a wide base's block equal its one-token steps at many positions, on two threads (where inductor would
+    otherwise split a one-token step's norm over the threads and sum it in another order)."""
+    runner = verify_runtime.compiled_runner(wide_bf16_model.base_lm, 64)
+    for length in range(4, 36):  # (without `SERIAL_LOOPS` a row differed from length 15 on)
+        assert_tree_rows_equal_one_token_steps(wide_bf16_model, runner, prompt_ids(length, length))
 
 
 @pytest.mark.parametrize("options", [{}, {"tree": (2, 2, 1)}, {"num_drafts": 3, "draft_top_k": 2},

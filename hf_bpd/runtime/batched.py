@@ -29,7 +29,6 @@ caches over `MAX_CACHE_BYTES` (long prompts in a wide batch).
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import warnings
@@ -42,7 +41,7 @@ from . import weights
 from .attention import (ATTENTION_NAME, BATCHED_ATTENTION_NAME, attention_implementation, grouped_query_attention,
                         uses_grouped_attention)
 from .compiled import CACHE_BUCKET, MAX_COMPILED_SHAPES, _Patches
-from .cache_files import KeptCostCheck, store_json
+from .cache_files import KeptCosts
 from .cost import weight_bytes
 from .guards import call_compiled, compile_step
 from .ordered_attention import ORDERED_KERNEL_ATTENTION, uses_ordered_attention
@@ -53,7 +52,6 @@ MAX_CACHE_BYTES = 2 << 30  # the static caches of a base's batched runners, toge
 MAX_GRAPH_BYTES = 4 << 30  # the packed weights of a base's compiled batched shapes (beyond: eager steps, same cache)
 TIMED_CALLS = 3  # calls timed after a shape compiles (their median: `width_ms`)
 COST_CALLS = 3  # calls timed per block shape for an artifact runner's cost table (`measured_costs`)
-COSTS_FILE = "batch_costs.json"  # an artifact runner's step costs, kept beside the artifact (`measured_costs`)
 
 
 def max_graphs(base) -> int:
@@ -204,8 +202,7 @@ class ArtifactBatchedRunner(BatchedRunner):
         self.two_tokens = None  # its two-token batch step, likewise
         self.kv = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
         self._costs: dict[int, float] = {}  # tokens -> ms of this runner's steps (`measured_costs`)
-        self._costs_key = None  # which batch steps were there when they were timed (`_graphs`)
-        self.kept = KeptCostCheck()  # the costs read from `COSTS_FILE`, checked against this process's steps
+        self.kept = KeptCosts(None, "")  # the kept costs of the graphs its steps ran on when timed (`_cost_entry`)
 
     def run(self, tokens, positions, mask, key_slots=None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         width = tokens.shape[1]
@@ -226,31 +223,29 @@ class ArtifactBatchedRunner(BatchedRunner):
         logits, hidden = step(tokens.contiguous(), positions.contiguous(), attended, torch.tensor(past), kv)
         # a kept cost is checked against steps shaped as it was timed (every row, or one token on fewer rows)
         if (rows * width in self.kept and (width == 1 or rows == self.rows)
-                and self._costs_key == self._graphs()):
+                and self.kept.entry == self._cost_entry()):
             self._check_kept(rows * width, 1000 * (time.perf_counter() - start))
         return logits, hidden, False
 
     def _check_kept(self, tokens: int, ms: float) -> None:
         """A step over `tokens` tokens took `ms`: checked against its kept cost; a kept table its steps contradict
-        (timed on a loaded machine, say) is dropped with its entry in `COSTS_FILE`, and the next call's
-        `measured_costs` times the steps again (`KeptCostCheck`)."""
-        if not self.kept.step(tokens, ms, self._costs[tokens]):
-            return
-        self._store_costs(self._costs_key, None)
-        self._costs, self._costs_key = {}, None
+        (timed on a loaded machine, say) is dropped (`KeptCosts.contradicted`), and the next call's `measured_costs`
+        times the steps again."""
+        if self.kept.contradicted(tokens, ms):
+            self._costs = {}
 
     def measured_costs(self, max_width: int) -> dict[int, float]:
         """`{tokens: ms}` of this runner's own steps, for the batch's width choice: blocks of 1 to `max_width` tokens
         on every row, and one token on fewer rows (halved down to 1: rows leave as they finish), each the median of
         `COST_CALLS` calls after one untimed, written past the cache's current length and rolled back. Timed once per
-        machine (kept beside the artifact, `COSTS_FILE`, per row count, and apart for the one-token batch step;
-        checked against each process's own steps: `_check_kept`); the batch's own steps then correct the table
+        machine (kept beside the artifact, `KeptCosts`, per row count and batch steps; checked against each
+        process's own steps: `_check_kept`); the batch's own steps then correct the table
         (`BatchWidth.timing`). The eager forward's table misjudges these steps: its costs are mostly fixed overhead,
         theirs grow with the tokens, so scaled to a plain step it would price a drafted one well under its cost."""
-        key = self._graphs()
-        if self._costs_key != key:
-            self._costs, self._costs_key = self._stored_costs(key), key
-            self.kept = KeptCostCheck(self._costs)
+        entry = self._cost_entry()
+        if self.kept.entry != entry:
+            self.kept = KeptCosts(self.artifact, entry)
+            self._costs = dict(self.kept.table)
         past = int(self.cache.layers[0].cumulative_length)
         wanted = [(self.rows, w) for w in range(1, max_width + 1)]
         rows = self.rows // 2
@@ -276,45 +271,13 @@ class ArtifactBatchedRunner(BatchedRunner):
                 self._costs[rows * width] = sorted(times[1:])[COST_CALLS // 2]
                 measured = True
         if measured:
-            self._store_costs(key, self._costs)
+            self.kept.keep(self._costs)
         return dict(self._costs)
 
-    def _graphs(self) -> tuple[bool, bool]:
-        """Which batch steps this runner's steps run on now: (one-token, two-token)."""
-        return self.one_token is not None, self.two_tokens is not None
-
-    def _cost_entry(self, graphs: tuple[bool, bool]) -> str:
-        one_token, two_tokens = graphs
-        return (f"{self.rows} rows" + (", one-token batch step" if one_token else "")
-                + (", two-token batch step" if two_tokens else ""))
-
-    def _stored_costs(self, graphs: tuple[bool, bool]) -> dict[int, float]:
-        """This runner's step costs as an earlier process timed them on this artifact (`COSTS_FILE` beside it)."""
-        try:
-            stored = json.loads((self.artifact.path.parent / COSTS_FILE).read_text())
-            return {int(n): float(ms) for n, ms in stored[self._cost_entry(graphs)].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return {}
-
-    def _store_costs(self, graphs: tuple[bool, bool], costs: dict[int, float] | None) -> None:
-        """Keep `costs` beside the artifact as this runner's entry, or drop the entry (`None`) (best effort: a
-        read-only cache only means timing them again)."""
-        path = getattr(self.artifact, "path", None)
-        if path is None:
-            return
-        path = path.parent / COSTS_FILE
-        try:
-            stored = json.loads(path.read_text()) if path.is_file() else {}
-        except (OSError, ValueError):
-            return
-        if not isinstance(stored, dict):  # not a table of entries: left as it is
-            return
-        entry = self._cost_entry(graphs)
-        if costs is not None:
-            stored[entry] = {str(n): round(ms, 3) for n, ms in sorted(costs.items())}
-        elif stored.pop(entry, None) is None:
-            return
-        store_json(path, stored)
+    def _cost_entry(self) -> str:
+        """The kept costs' entry of this runner's steps as they run now: its rows and the batch steps built."""
+        return (f"{self.rows} rows" + (", one-token batch step" if self.one_token is not None else "")
+                + (", two-token batch step" if self.two_tokens is not None else ""))
 
 
 def batched_artifact_unsupported_reason(base, rows: int) -> str | None:

@@ -67,6 +67,69 @@ class KeptCostCheck:
         return True
 
 
+COSTS_FILE = "step_costs.json"  # an artifact's kept step costs, one table per entry (`KeptCosts`)
+
+
+class KeptCosts:
+    """One entry of the step costs kept beside an artifact (`COSTS_FILE`): `{tokens: ms}` of the steps that `entry`
+    names (the rows and the graphs that ran them: "1 row", "4 rows, one-token batch step", ...), timed once per
+    machine (the artifact is per CPU and thread count) so that a later process reads them instead of timing its steps.
+    Each process checks the entries it read against its own steps (`KeptCostCheck`); a table they contradict is
+    dropped, from the file too, and timed again. Writes are best effort: a read-only cache only means timing again."""
+
+    def __init__(self, artifact, entry: str):
+        path = getattr(artifact, "path", None)
+        self.path = None if path is None else Path(path).parent / COSTS_FILE
+        self.entry = entry
+        self.table = self._read()  # what this process prices its steps by, as kept
+        self.check = KeptCostCheck(self.table)
+
+    def __contains__(self, tokens) -> bool:
+        """Whether steps over `tokens` tokens are still to be checked against the kept table."""
+        return tokens in self.check
+
+    def _file(self) -> dict | None:
+        """The file's entries (`{}` when there is none; None when it cannot be read or holds no entries)."""
+        if self.path is None or not self.path.is_file():
+            return {}
+        try:
+            stored = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        return stored if isinstance(stored, dict) else None
+
+    def _read(self) -> dict[int, float]:
+        try:
+            return {int(n): float(ms) for n, ms in (self._file() or {})[self.entry].items() if float(ms) > 0}
+        except (KeyError, ValueError, TypeError, AttributeError):  # none, or not a {tokens: ms} table
+            return {}
+
+    def keep(self, table: dict[int, float] | None) -> None:
+        """Keep `table` as this entry (None: drop the entry); the other entries stay as they are. A cost it changes is
+        no longer checked (this process timed it)."""
+        old, self.table = self.table, dict(table or {})
+        for tokens in [n for n in self.check.unchecked if self.table.get(n) != old.get(n)]:
+            self.check.unchecked.discard(tokens)
+            self.check.seen.pop(tokens, None)
+        stored = self._file()
+        if stored is None:
+            return
+        stored = {e: t for e, t in stored.items() if isinstance(t, dict)}  # (entries only)
+        if table is not None:
+            stored[self.entry] = {str(n): round(ms, 3) for n, ms in sorted(table.items())}
+        elif stored.pop(self.entry, None) is None:
+            return
+        store_json(self.path, stored)
+
+    def contradicted(self, tokens: int, ms: float) -> bool:
+        """A step over `tokens` tokens, priced by the kept table, took `ms`: whether the table is now found wrong (see
+        `KeptCostCheck`); then it is dropped here and from the file."""
+        if tokens not in self.check or not self.check.step(tokens, ms, self.table[tokens]):
+            return False
+        self.keep(None)
+        return True
+
+
 _DISTRUSTED: set[Path] = set()  # artifact folders this process has warned about (one line each)
 
 

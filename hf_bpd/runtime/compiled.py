@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import threading
 import time
 import weakref
@@ -26,7 +25,7 @@ from torch import nn
 
 from . import weights
 from .attention import attention_implementation, grouped_query_attention, uses_grouped_attention
-from .cache_files import KeptCostCheck, store_json
+from .cache_files import KeptCosts
 from .frame_stack import on_fresh_frame_stack
 from .guards import call_compiled, compile_step
 from .inlining import INDUCTOR_OPTIONS, compiler_options
@@ -46,9 +45,13 @@ CACHE_BUCKET = 512
 COMPILED_DRAFT_SLOTS = 7
 MAX_COMPILED_SHAPES = 64  # block lengths one runner may compile (dynamo's own limit is 8)
 TIMED_CALLS = 5  # timed calls of each block length in `warm_up` (after two untimed ones)
-STEP_COSTS_FILE = "step_costs.json"  # an artifact's timed block lengths, kept beside it (`ArtifactRunner`)
-EIGHT_TOKENS_COSTS_FILE = "step_costs_eight_tokens.json"  # the same with its blocks of 8 on the eight-token step
+ONE_ROW, ONE_ROW_EIGHT_TOKENS = "1 row", "1 row, eight-token step"  # a lone call's kept costs (`KeptCosts` entries)
 SANE_DROP = 0.1  # a kept table's longer block may time at most this share under a shorter one
+# Inductor splits a loop over the threads once each share holds `cpp.min_chunk_size` elements (512 in torch 2.13): in
+# a one-token step that is the row's norm, a reduction over hidden_size (from 1,024 on two threads), whose partial
+# sums then add in another order than the same row's in a longer block. Ordered steps keep inductor's loops serial:
+# their GEMMs and attention are hf_bpd's kernels, parallel on their own.
+SERIAL_LOOPS = {"cpp.min_chunk_size": 2 ** 31 - 1}
 
 
 class _Patches(contextlib.ExitStack):
@@ -59,7 +62,7 @@ class _Patches(contextlib.ExitStack):
     `ordered` (half precision): GEMMs by inductor's CPU templates only, which `max_autotune` (always on here) picks
     from (autotuned against ATen's, another kernel won for one row than for eight), rounding to bf16 wherever the
     eager program does (`emulate_precision_casts`: else an int8 layer's epilogue stayed fp32 for one row count and not
-    another): a row rounds alike for any row count."""
+    another), and inductor's loops serial (`SERIAL_LOOPS`): a row rounds alike for any row count."""
 
     def __init__(self, ordered: bool = False):
         super().__init__()
@@ -69,7 +72,8 @@ class _Patches(contextlib.ExitStack):
         super().__enter__()
         options = {**INDUCTOR_OPTIONS, **compiler_options()}
         if self.ordered:
-            options.update(max_autotune=True, max_autotune_gemm_backends="CPP", emulate_precision_casts=True)
+            options.update(max_autotune=True, max_autotune_gemm_backends="CPP", emulate_precision_casts=True,
+                           **SERIAL_LOOPS)
         self.enter_context(inductor_config.patch(options))
         self.enter_context(dynamo_config.patch(recompile_limit=MAX_COMPILED_SHAPES))
         self.enter_context(prefetching_gemm_template())
@@ -336,14 +340,11 @@ class ArtifactRunner(CompiledRunner):
     it serves blocks of 1 to `artifacts.MAX_BLOCK` tokens over the used part of the cache. A longer block runs the
     same step eagerly on the same cache, or, with `blocking` (`compile="wait"`), takes the `torch.compile` path of
     `CompiledRunner`. The block lengths `warm_up` times (the cost schedule's table) are timed once per machine and
-    kept beside the artifact (`STEP_COSTS_FILE`; the artifact is per CPU and thread count): a new process's first
-    call reads them instead of timing `2 + TIMED_CALLS` steps of each, a noticeable part of a first call. A kept table
-    can be wrong for good (timed while the machine was loaded, say, it would misprice every later process's blocks), so
-    a process checks it against its own steps (`hf_bpd.runtime.cache_files.KeptCostCheck`: the median of the first 16
-    steps of each kept length, if 25 % off its kept cost, condemns the table): the table is dropped (the file too), and
-    the next call's `warm_up` times every length again and keeps those. Blocks of 8 tokens of one row run on the
-    artifact's eight-token step once it is attached (`attach_eight_tokens`; AVX2 CPUs), whose costs are kept apart
-    (`EIGHT_TOKENS_COSTS_FILE`)."""
+    kept beside the artifact (`KeptCosts`, entry `ONE_ROW`): a new process's first call reads them instead of timing
+    `2 + TIMED_CALLS` steps of each, a noticeable part of a first call; a kept table this process's steps contradict is
+    dropped, and the next call's `warm_up` times every length again and keeps those. Blocks of 8 tokens of one row run
+    on the artifact's eight-token step once it is attached (`attach_eight_tokens`; AVX2 CPUs), whose costs are kept
+    apart (entry `ONE_ROW_EIGHT_TOKENS`)."""
 
     kind = "artifact"
 
@@ -357,11 +358,6 @@ class ArtifactRunner(CompiledRunner):
         self.blocking = False  # set per call: whether a block over `max_block` may compile
         self._read_kept()
 
-    def _costs_path(self):
-        path = getattr(self.artifact, "path", None)
-        name = STEP_COSTS_FILE if self.eight_tokens is None else EIGHT_TOKENS_COSTS_FILE
-        return None if path is None else path.parent / name
-
     def attach_eight_tokens(self, eight_tokens) -> None:
         """Run blocks of 8 tokens of one row on `eight_tokens` (the artifact's eight-token step; None: on the step).
         The kept costs switch to its table: every served length's cost is read from there or timed again."""
@@ -373,22 +369,12 @@ class ArtifactRunner(CompiledRunner):
         self._read_kept()
 
     def _read_kept(self) -> None:
-        """The kept costs (`_stored_ms`) as this runner's, checked against this process's steps (`KeptCostCheck`)."""
-        for block, ms in self._stored_ms().items():  # served by the artifact: nothing to compile, already timed
-            self.compiled_buckets.setdefault(block, 0.0)
-            self.bucket_ms[block] = ms
-        self.kept = KeptCostCheck(self.bucket_ms)
-
-    def _stored_ms(self) -> dict[int, float]:
-        """`{block length: ms}` an earlier process timed on this artifact (blocks it serves only)."""
-        path = self._costs_path()
-        if path is None:
-            return {}
-        try:
-            stored = json.loads(path.read_text())
-            return {int(b): float(ms) for b, ms in stored.items() if 1 <= int(b) <= self.max_block and ms > 0}
-        except (OSError, ValueError, TypeError, AttributeError):  # missing, unreadable or not a {length: ms} table
-            return {}
+        """The kept costs of the blocks the artifact serves as this runner's (nothing to compile, already timed)."""
+        self.kept = KeptCosts(self.artifact, ONE_ROW if self.eight_tokens is None else ONE_ROW_EIGHT_TOKENS)
+        for block, ms in self.kept.table.items():
+            if block <= self.max_block:
+                self.compiled_buckets.setdefault(block, 0.0)
+                self.bucket_ms[block] = ms
 
     def warm_up(self, buckets, device, heads=None, top_k: int = 0, int8: bool | None = False,
                 blocking: bool = True) -> dict[int, float]:
@@ -397,27 +383,22 @@ class ArtifactRunner(CompiledRunner):
         known = set(self.bucket_ms)
         out = super().warm_up(buckets, device, heads, top_k, int8, blocking)
         timed = {b: ms for b, ms in self.bucket_ms.items() if b not in known and b <= self.max_block}
-        path = self._costs_path()
-        if timed and path is not None:
+        if timed:
             # the kept table with these timings, or, when they disagree with what it kept (timed on a loaded machine,
             # say), these alone; none when a longer block of them timed clearly faster than a shorter one (noise: the
             # next process times again; this call uses them, as any call did before the table was kept)
-            table = next((t for t in ({**self._stored_ms(), **timed}, timed) if _ordered(t)), None)
+            kept = {b: ms for b, ms in self.kept.table.items() if b <= self.max_block}
+            table = next((t for t in ({**kept, **timed}, timed) if _ordered(t)), None)
             if table is not None:
-                store_json(path, {str(b): round(ms, 3) for b, ms in sorted(table.items())})
+                self.kept.keep(table)
         return out
 
     def _check_kept(self, block: int, ms: float) -> None:
         """A step of `block` tokens took `ms`: checked against its kept cost; a kept table its steps contradict is
-        dropped with its file (`KeptCostCheck`; see the class docstring)."""
-        if not self.kept.step(block, ms, self.bucket_ms[block]):
-            return
-        for kept in [b for b in self.bucket_ms if b <= self.max_block]:
-            del self.bucket_ms[kept]  # `warm_up` times what is missing
-        path = self._costs_path()
-        with contextlib.suppress(OSError):
-            if path is not None:
-                path.unlink(missing_ok=True)
+        dropped (`KeptCosts.contradicted`), and `warm_up` times what is then missing."""
+        if self.kept.contradicted(block, ms):
+            for kept in [b for b in self.bucket_ms if b <= self.max_block]:
+                del self.bucket_ms[kept]
 
     def run(self, input_ids, position_ids, cache_position, attention_mask, order=None):
         q = input_ids.shape[1]
