@@ -28,7 +28,7 @@ from .runtime.artifacts import preload as preload_artifact
 from .runtime.int8_weights import quantize_int8_weights, split_int8_weights
 from .hub.bundled import (BundledRescorers, attach_rescorer, bundle_fields, inside, load_bundled,
                           load_feature_drafter, load_heads_config, merge_base_adapter)
-from .hub.base_models import check_causal_lm, check_fingerprint, fingerprint, load_base_model
+from .hub.base_models import check_causal_lm, check_fingerprint, default_base_dtype, fingerprint, load_base_model
 from .hub.checkpoints import check_heads_header, load_heads_state, push_saved, resolve_checkpoint_dir, save_checkpoint
 
 logger = logging.get_logger(__name__)
@@ -110,7 +110,8 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
         `ignore_fingerprint_mismatch=True`.
         Bundled rescorers load on first use (`trust_bundled_files`: docs/reliability.md).
 
-        `dtype` (default float32; `"auto"`: the base's own), `device_map` (`"cuda"`, `"auto"`, ...),
+        `dtype` (default: the checkpoint's recorded one where hf_bpd's kernels run it, else float32:
+        `default_base_dtype`; `"auto"`: the base's own), `device_map` (`"cuda"`, `"auto"`, ...),
         `attn_implementation` and `quantization_config` go to the base's `AutoModelForCausalLM.from_pretrained`, as
         in transformers (`Int8WeightsConfig()`: hf_bpd's int8 weights, after the fingerprint check). The heads sit
         on the device of the base's output layer, in its dtype (fp32 if not floating-point): see `heads_placement`.
@@ -126,7 +127,7 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
                 raise BaseModelError("the checkpoint names no base model: pass base_model=... to from_pretrained")
             base_model = config.base_model_name_or_path
         if isinstance(base_model, (str, os.PathLike)):
-            base_model = load_base_model(str(base_model), dtype=dtype or torch.float32, **load_options)
+            base_model = load_base_model(str(base_model), dtype=dtype or default_base_dtype(config), **load_options)
         else:
             if load_options:
                 raise BaseModelError(f"{', '.join(load_options)} apply when the base is loaded by name: pass them to "

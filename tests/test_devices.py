@@ -67,6 +67,25 @@ def test_from_pretrained_passes_loading_options_to_the_base(tmp_path):
         BlockwiseParallelForCausalLM.from_pretrained(ckpt, base_model=tiny_base("llama"), device_map="cpu")
 
 
+def test_a_checkpoint_recording_bf16_loads_its_base_in_bf16_where_the_kernels_run_it(tmp_path):
+    """Without `dtype`, the base loads in the dtype the checkpoint's config records (as transformers' `dtype="auto"`
+    reads a config's) where hf_bpd's kernels run it, else in float32; an explicit `dtype` wins."""
+    import json
+
+    from hf_bpd.runtime.kernels import kernels_unsupported_reason
+
+    base_dir, ckpt = tmp_path / "base", tmp_path / "heads"
+    tiny_base("llama").save_pretrained(base_dir)
+    BlockwiseParallelForCausalLM.from_base(str(base_dir), num_heads=2).save_pretrained(ckpt)
+    assert BlockwiseParallelForCausalLM.from_pretrained(ckpt).base_lm.dtype == torch.float32  # records none
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    expected = torch.bfloat16 if kernels_unsupported_reason() is None else torch.float32
+    model = BlockwiseParallelForCausalLM.from_pretrained(ckpt)
+    assert model.base_lm.dtype == expected and {p.dtype for p in model.heads.parameters()} == {expected}
+    assert BlockwiseParallelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).base_lm.dtype == torch.float32
+
+
 def test_quantized_base_keeps_fp32_heads_and_exact_output(tmp_path):
     """A real int8 weight-quantized base (optimum-quanto through transformers' QuantoConfig, CPU): the base's linear
     layers are quantized, its output layer and the heads stay fp32, and the output is the quantized base's own."""

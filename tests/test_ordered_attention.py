@@ -169,7 +169,7 @@ def test_compiled_bf16_block_rows_equal_one_token_steps_on_two_threads(wide_bf16
     """Rows of a wide base's block equal its one-token steps at many positions, on two threads (where inductor would
     otherwise split a one-token step's norm over the threads and sum it in another order)."""
     runner = verify_runtime.compiled_runner(wide_bf16_model.base_lm, 64)
-    for length in range(4, 36):  # (without `SERIAL_LOOPS` a row differed from length 15 on)
+    for length in range(4, 20):  # (without `SERIAL_LOOPS` a row differed at length 15)
         assert_tree_rows_equal_one_token_steps(wide_bf16_model, runner, prompt_ids(length, length))
 
 

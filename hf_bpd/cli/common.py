@@ -31,7 +31,8 @@ def dtype_name(text: str) -> str:
 def _add_dtype(p, quantize: bool = False) -> None:
     """`--dtype` (a torch dtype name or its short form) and, with `quantize`, `--quantize int8`."""
     p.add_argument("--dtype", default=None, type=dtype_name, choices=DTYPES,
-                   help="model dtype (also fp32, bf16, fp16; default float32, bfloat16 with --quantize int8)")
+                   help="model dtype (also fp32, bf16, fp16; default: a checkpoint's own where hf_bpd's kernels run it, "
+                        "else float32; bfloat16 with --quantize int8)")
     if quantize:
         p.add_argument("--quantize", default=None, choices=QUANTIZE,
                        help="the base's linear layers with int8 weights and bf16 activations (hf_bpd's "
@@ -87,9 +88,10 @@ def _check_device(device: str) -> None:
 
 
 def load_model(name_or_path: str, dtype: str | None = None, device: str = "cpu", quantize: str | None = None):
-    """A heads checkpoint directory (with its base) or a plain base model, in `dtype` (default float32) on `device`
-    (`"auto"`: transformers' `device_map="auto"`); `quantize="int8"`: the base's linear layers with int8 weights and
-    bf16 activations (`hf_bpd.Int8WeightsConfig`; `dtype` bfloat16, its default then)."""
+    """A heads checkpoint directory (with its base) or a plain base model, in `dtype` (default: a checkpoint's own,
+    `default_base_dtype`; float32 for a plain base) on `device` (`"auto"`: transformers' `device_map="auto"`);
+    `quantize="int8"`: the base's linear layers with int8 weights and bf16 activations (`hf_bpd.Int8WeightsConfig`;
+    `dtype` bfloat16, its default then)."""
     import torch
 
     from ..hub.base_models import load_base_model
@@ -97,8 +99,9 @@ def load_model(name_or_path: str, dtype: str | None = None, device: str = "cpu",
     from ..runtime.int8_weights import Int8WeightsConfig
 
     _check_device(device)
-    dtype = dtype_name(dtype or ("bfloat16" if quantize else "float32"))
-    options = {"dtype": getattr(torch, dtype)}
+    checkpoint = _is_heads_checkpoint(name_or_path)
+    dtype = dtype_name(dtype or ("bfloat16" if quantize else None if checkpoint else "float32"))
+    options = {"dtype": getattr(torch, dtype) if dtype else None}
     if device != "cpu":
         options["device_map"] = device
     if quantize is not None:
@@ -107,7 +110,7 @@ def load_model(name_or_path: str, dtype: str | None = None, device: str = "cpu",
         if dtype != "bfloat16":
             raise ValueError(f"--quantize int8 computes with bf16 activations: pass --dtype bf16, not {dtype}")
         options["quantization_config"] = Int8WeightsConfig()
-    if _is_heads_checkpoint(name_or_path):
+    if checkpoint:
         return BlockwiseParallelForCausalLM.from_pretrained(name_or_path, **options)
     return load_base_model(name_or_path, **options)
 
