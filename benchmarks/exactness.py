@@ -3,9 +3,9 @@ decoding, token for token, on every prompt of a file (the eager `generate()` of 
 so it is not the reference: docs/reliability.md).
 
     python benchmarks/exactness.py --model checkpoints/smollm2-135m-instruct-bpd \
-        --questions benchmarks/exactness_prompts.jsonl --dtype bf16 --output exactness_bf16_200.json
+        --questions benchmarks/exactness_prompts.jsonl --dtype bf16 --output bf16.json
     python benchmarks/exactness.py --model checkpoints/smollm2-135m-instruct-bpd \
-        --questions benchmarks/exactness_prompts.jsonl --quantize int8 --output exactness_int8_200.json
+        --questions benchmarks/exactness_prompts.jsonl --quantize int8 --output int8.json
 
 Each prompt (its first turn, in the chat template) decodes with `use_heads=False, compile="wait"` and then with the
 checkpoint's defaults and `compile="wait"`; both are timed (compilation is in an untimed first prompt), so the output
