@@ -58,7 +58,6 @@ $PY -c 'from hf_bpd.runtime.int8_heads import build_kernel; build_kernel()'
 # later process loads it in seconds instead of compiling (~2 min here, skipped when already built;
 # HF_BPD_SKIP_COMPILE=1 skips it; generate() then builds it in the background on first use). The batch steps
 # (batches' steps of one and two tokens a row) are left to the first batches, which build them in the background.
-# On AVX2 CPUs the eight-token step (a lone call's blocks of 8 tokens, ~2.5 min more) is built with it.
 if [ "${HF_BPD_SKIP_COMPILE:-0}" != 1 ]; then
     hf-bpd compile checkpoints/smollm2-135m-instruct-bpd --threads 2 --no-batch-step ||
         echo "hf_bpd: the compiled step was not built (generate() builds it in the background on first use)" >&2

@@ -21,8 +21,7 @@ PATHS = {
     "kernels": "hf_bpd's C++ kernels for bf16 and int8-weight bases (inductor's GEMMs instead)",
     "amx": "AMX tiles in the packed GEMM (its AVX512-BF16 engine instead)",
     "prefetch": "weight prefetches in inductor's fp32 GEMM micro-kernel",
-    "register-block": "the 8 x 8 fp32 GEMM register block of the batch and eight-token steps on AVX2 CPUs",
-    "eight-tokens": "the eight-token step for a lone call's blocks of 8 on AVX2 CPUs",
+    "register-block": "the 8 x 8 fp32 GEMM register block of the batch steps on AVX2 CPUs",
 }
 _WARNED: set[str] = set()
 

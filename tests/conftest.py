@@ -74,11 +74,8 @@ def pytest_unconfigure(config):
 @pytest.fixture(autouse=True)
 def no_artifacts_unless_marked(request, monkeypatch):
     """`generate(compile=True)` on a CPU would build each tiny base's artifact in a background process
-    (`hf_bpd.runtime.background`); tests not marked `artifacts` compile in-process instead (`HF_BPD_OFF=artifacts`),
-    and tests not marked `eight_tokens` build no tiny base's eight-token step in the background."""
-    off = [path for path, marker in (("artifacts", "artifacts"), ("eight-tokens", "eight_tokens"))
-           if request.node.get_closest_marker(marker) is None]
-    monkeypatch.setenv("HF_BPD_OFF", ",".join(off))
+    (`hf_bpd.runtime.background`); tests not marked `artifacts` compile in-process instead (`HF_BPD_OFF=artifacts`)."""
+    monkeypatch.setenv("HF_BPD_OFF", "" if request.node.get_closest_marker("artifacts") else "artifacts")
 
 
 @contextlib.contextmanager

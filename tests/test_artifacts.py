@@ -266,7 +266,7 @@ def test_compile_command_builds_the_step_and_the_batch_steps(cli_build, built, c
     assert "building the compiled one-token batch step" in second_err
     assert "building the compiled two-token batch step" in second_err and "on the batch steps" in second_out
     assert "building the compiled step" not in second_err  # found built
-    graphs = (artifacts.STEP, *artifacts.BATCH_GRAPHS, artifacts.EIGHT_TOKENS)  # the last on AVX2 CPUs
+    graphs = (artifacts.STEP, *artifacts.BATCH_GRAPHS)
     assert artifacts.listing() and all(record.get("graph") in graphs for record in artifacts.listing())
     assert main(["compile", "--list"]) == 0
     listed = capsys.readouterr().out
@@ -599,67 +599,6 @@ def test_a_kept_batch_cost_table_that_the_steps_contradict_is_timed_again(built)
         runner._check_kept(4, ms)
     assert 4 not in runner.kept and runner._costs[4] == ms and json.loads(kept.read_text())[entry] == retimed
     batched.discard_batched_runners(base)
-
-
-@pytest.mark.eight_tokens
-def test_the_eight_token_step_equals_the_eager_step_and_serves_lone_blocks_of_8(built, monkeypatch):
-    """The eight-token step (one row of 8 tokens, AVX2's 8 x 8 register block there) computes what the eager step
-    computes; a lone call with it attached runs its blocks of 8 on it and equals the base's greedy `generate()`, its
-    block costs kept in a table of their own. Where it does not pay (not AVX2, bf16, sliding windows,
-    `HF_BPD_OFF=eight-tokens`) a one-line reason says so."""
-    from hf_bpd.runtime import compiled
-
-    _, base, path = built
-    directory = path.parent
-    artifacts.build(base, 1, graph=artifacts.EIGHT_TOKENS)  # on any CPU (the suite's gate aside)
-    eight = artifacts.load(base, graph=artifacts.EIGHT_TOKENS)
-    assert artifacts.valid(directory, artifacts.cached_key(base), artifacts.EIGHT_TOKENS)
-    for past, capacity in ((5, 64), (300, 512)):
-        ids, positions, mask, _, kv = example(capacity, 8, past)
-        mask[0, 0, :, 2:4] = torch.finfo(torch.float32).min  # a hole in the past
-        logits, _, _ = step_equals_eager(eight, base, ids, positions, mask, past, kv)
-        assert logits.shape == (1, 8, 96)
-
-    calls = []
-
-    class Counted:
-        def __call__(self, *args):
-            calls.append(args[0].shape)
-            return eight(*args)
-
-    monkeypatch.setattr(artifacts, "eight_tokens_unsupported_reason", lambda base: None)
-    load = artifacts.load
-
-    def counted_load(base, threads=None, again=False, graph=artifacts.STEP):
-        return Counted() if graph == artifacts.EIGHT_TOKENS else load(base, threads, again, graph)
-
-    monkeypatch.setattr(artifacts, "load", counted_load)
-    kept = directory / COSTS_FILE
-    kept.unlink(missing_ok=True)
-    _RUNNERS.pop(base, None)
-    model = BlockwiseParallelForCausalLM.from_base(base, num_heads=4).eval()
-    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(11))
-    kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
-    out = model.generate(ids, compile=True, num_drafts=8, draft_nodes=7, draft_schedule="fixed", **kw)
-    assert torch.equal(out, base.generate(ids, **kw)) and model.last_generation_stats.verifier == "artifact"
-    assert calls and all(shape == (1, 8) for shape in calls)
-    runner = next(r for r in _RUNNERS[base].values() if isinstance(r, ArtifactRunner))
-    assert runner.eight_tokens is not None and runner.kept.entry == compiled.ONE_ROW_EIGHT_TOKENS
-    runner.warm_up([1, 8], torch.device("cpu"))
-    # kept in its own table (both lengths, or the newly timed one alone when the suite's load timed 8 tokens clearly
-    # under 1: `ArtifactRunner.warm_up` keeps no table it finds out of order)
-    assert set(json.loads(kept.read_text())[compiled.ONE_ROW_EIGHT_TOKENS]) & {"1", "8"}
-    runner.attach_eight_tokens(None)  # back on the step: its own table
-    assert runner.kept.entry == compiled.ONE_ROW
-    _RUNNERS.pop(base, None)
-    monkeypatch.undo()
-
-    monkeypatch.setenv("HF_BPD_OFF", "eight-tokens")
-    assert "HF_BPD_OFF=eight-tokens" in artifacts.eight_tokens_unsupported_reason(base)
-    monkeypatch.setenv("HF_BPD_OFF", "")
-    assert "bf16" in artifacts.eight_tokens_unsupported_reason(saved_base(built[0]).to(torch.bfloat16))
-    monkeypatch.setenv("HF_BPD_OFF", "register-block")  # inductor's own block: the step serves 8 as fast
-    assert "AVX-512" in artifacts.eight_tokens_unsupported_reason(base)
 
 
 def test_weights_changed_in_place_are_never_verified_by_the_old_artifact(built, monkeypatch):

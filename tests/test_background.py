@@ -27,7 +27,7 @@ _BUILT: dict[int, object] = {}  # seed -> the artifact directory a test of this 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path))
-    monkeypatch.setenv("HF_BPD_OFF", "eight-tokens")  # artifacts on
+    monkeypatch.setenv("HF_BPD_OFF", "")  # artifacts on
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield tmp_path

@@ -11,7 +11,7 @@ from hf_bpd import BlockwiseParallelForCausalLM
 from hf_bpd.rescorers.neural import NeuralRescorer
 from hf_bpd.rescorers.ngram import NgramRescorer
 
-pytestmark = [pytest.mark.autotune, pytest.mark.eight_tokens]  # compiled and run as users' are (tests/conftest.py)
+pytestmark = pytest.mark.autotune  # compiled and run as users' are (tests/conftest.py)
 
 CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct-bpd"
 PROMPTS = [  # held-out style instructions (not in the training prompts)

@@ -7,7 +7,7 @@ import hf_bpd
 from hf_bpd import BaseModelError, BlockwiseParallelForCausalLM
 from hf_bpd.hub.base_models import PACKAGED_MODELS, PackagedModel
 
-pytestmark = [pytest.mark.autotune, pytest.mark.eight_tokens]  # compiled and run as users' are (tests/conftest.py)
+pytestmark = pytest.mark.autotune  # compiled and run as users' are (tests/conftest.py)
 INSTALL_THREADS = 2  # the thread count install.sh builds the shipped checkpoint's compiled step for
 
 PROMPTS = [

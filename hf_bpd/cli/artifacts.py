@@ -48,9 +48,6 @@ def cmd_compile(args) -> int:
     largest = _largest_block(model, args)
     log = lambda m: print(f"hf-bpd: {m}", file=sys.stderr)  # noqa: E731
     path = artifacts.build(base, args.threads, log=log)
-    eight = artifacts.eight_tokens_unsupported_reason(base) is None  # AVX2: a lone call's blocks of 8
-    if eight:
-        artifacts.build(base, args.threads, log=log, graph=artifacts.EIGHT_TOKENS)
     batch_step = (not args.no_batch_step and batched_artifact_unsupported_reason(base, 2) is None
                   and artifacts.one_token_unsupported_reason(base) is None)
     if batch_step:
@@ -59,8 +56,7 @@ def cmd_compile(args) -> int:
     print(f"{path} ready ({time.perf_counter() - start:.0f} s); generate(compile=True) with {args.threads} threads "
           f"loads it; it serves blocks of 1 to {artifacts.MAX_BLOCK} tokens, every context length and batches of up "
           f"to {artifacts.MAX_ROWS} rows" + (" (their steps of one and two tokens a row on the batch steps)"
-                                            if batch_step else "")
-          + ("; blocks of 8 tokens run on its eight-token step" if eight else ""))
+                                            if batch_step else ""))
     if largest > artifacts.MAX_BLOCK:
         print(f"hf-bpd: the drafting shape asked for verifies blocks of {largest} tokens, over {artifacts.MAX_BLOCK}: "
               "those steps run eagerly (compile='wait': with torch.compile in each process); use at most "
@@ -110,8 +106,8 @@ def add_parsers(sub, command) -> None:
         "$HF_BPD_CACHE/artifacts/: one artifact serves every block length up to 16 and every context length. "
         "Valid for this CPU, thread count, dtype, weights and torch version; generate(compile=True) loads it in "
         "seconds instead of compiling; batches' steps of one and of two tokens a row get graphs of their own beside it "
-        "(the batch steps; --no-batch-step: built when a batch first needs them); on AVX2 CPUs a lone call's blocks "
-        "of 8 tokens get one too (the eight-token step). --list shows the cache, --clear empties it.")
+        "(the batch steps; --no-batch-step: built when a batch first needs them). --list shows the cache, --clear "
+        "empties it.")
     p.add_argument("model", nargs="?", default=None, help="heads checkpoint directory or base model")
     p.add_argument("--threads", type=int, default=2, help="torch threads the artifact is built for (baked in)")
     _add_dtype(p)
@@ -119,8 +115,7 @@ def add_parsers(sub, command) -> None:
                    "says whether the artifact serves its blocks")
     p.add_argument("--draft-nodes", type=int, default=None, help="a draft-node budget you will draft with (the same)")
     p.add_argument("--no-batch-step", action="store_true",
-                   help="build the step (and the eight-token step) only, not the batch steps (a batch builds "
-                   "them in the background)")
+                   help="build the step only, not the batch steps (a batch builds them in the background)")
     p.add_argument("--list", action="store_true", help="list the built artifacts")
     p.add_argument("--clear", action="store_true", help="remove every built artifact (none that a build holds)")
     p.add_argument("--all", action="store_true",

@@ -10,9 +10,8 @@ block length, the KV cache's capacity and the attended length are dynamic. Input
 by the strides it was built with). The KV tensors are inputs written in place, so the cache stays the caller's.
 
 Graphs beside the step, each with static shapes where that lets inductor pick better kernels: the batch steps of one
-and two tokens a row (`ONE_TOKEN`, `TWO_TOKENS`) and, on AVX2 CPUs, the eight-token step (`EIGHT_TOKENS`: a lone
-call's blocks of 8). They are built after the step, in the background or by `hf-bpd compile`; the step serves their
-shapes until they exist. A base with sliding-window layers has no batch steps; its step takes the sliding layers'
+and two tokens a row (`ONE_TOKEN`, `TWO_TOKENS`). They are built after the step, in the background or by `hf-bpd
+compile`; the step serves their shapes until they exist. A base with sliding-window layers has no batch steps; its step takes the sliding layers'
 mask as an input of its own (`_WindowedStep`). docs/performance.md#compiled-steps has their costs.
 
 An artifact is valid for what it was built from, all in its key: the base's weights (`weights.digest`: every byte),
@@ -47,10 +46,8 @@ from .step import VerificationStep, compile_unsupported_reason, kv_layout, slidi
 
 FORMAT = 5  # bump when the exported step or the key changes (5: keyed on the weights' exact digest)
 STEP, ONE_TOKEN, TWO_TOKENS = "step", "one_token", "two_tokens"  # the graphs: every block; 1 or 2 tokens a row
-EIGHT_TOKENS = "eight_tokens"  # one row of 8 tokens (a lone call's block of 7 draft nodes), AVX2 CPUs only
 BATCH_GRAPHS = (ONE_TOKEN, TWO_TOKENS)  # the batch steps beside the step (none for sliding-window bases)
-GRAPH_FORMAT = {ONE_TOKEN: 1, TWO_TOKENS: 1, EIGHT_TOKENS: 1}  # bump when an exported graph beside the step changes
-EIGHT = 8  # the eight-token step's block length
+GRAPH_FORMAT = {ONE_TOKEN: 1, TWO_TOKENS: 1}  # bump when an exported graph beside the step changes
 ONE_TOKEN_ROWS = 16  # the one-token batch step's example rows (inductor tunes its kernels for that many tokens)
 TWO_TOKENS_ROWS = 4  # the two-token batch step's (batches of 4 draft; at 16 rows a second token rarely pays)
 BATCH_EXAMPLE = {ONE_TOKEN: (1, ONE_TOKEN_ROWS), TWO_TOKENS: (2, TWO_TOKENS_ROWS)}  # (tokens a row, example rows)
@@ -61,11 +58,10 @@ MAX_CONTEXT = 32768
 PACKAGE = "step.pt2"
 FAILED = "build.failed"  # the last build's error (a background build is not started again while it is there)
 DESCRIPTION = {STEP: "the compiled step", ONE_TOKEN: "the compiled one-token batch step",  # in log lines
-               TWO_TOKENS: "the compiled two-token batch step", EIGHT_TOKENS: "the compiled eight-token step"}
+               TWO_TOKENS: "the compiled two-token batch step"}
 _FILES = {STEP: (PACKAGE, "key.json", FAILED),  # graph -> (package, its record, its last build's error)
           ONE_TOKEN: ("one_token.pt2", "one_token.json", "one_token.failed"),
-          TWO_TOKENS: ("two_tokens.pt2", "two_tokens.json", "two_tokens.failed"),
-          EIGHT_TOKENS: ("eight_tokens.pt2", "eight_tokens.json", "eight_tokens.failed")}
+          TWO_TOKENS: ("two_tokens.pt2", "two_tokens.json", "two_tokens.failed")}
 ATTENTION_NAME = "hf_bpd_attended_sdpa"
 ONE_TOKEN_ATTENTION_NAME = "hf_bpd_attended_stacked_sdpa"
 
@@ -211,25 +207,6 @@ def one_token_unsupported_reason(base) -> str | None:
     return None
 
 
-def eight_tokens_unsupported_reason(base) -> str | None:
-    """Why `base`'s lone calls have no eight-token step (None when they can): it pays where its GEMMs run the 8 x 8
-    register block (AVX2 CPUs: a static 8-row GEMM in one pass instead of two; `register_block`), for fp32 bases
-    without sliding-window layers (each graph holds the weights again). `HF_BPD_OFF=eight-tokens` turns it off."""
-    from .register_block import batch_step_block
-
-    from ..environment import off
-
-    if off("eight-tokens"):
-        return "turned off (HF_BPD_OFF=eight-tokens)"
-    if sliding_window_of(base) is not None:
-        return "sliding-window bases run their blocks on the step"
-    if base.dtype != torch.float32:
-        return "bf16, fp16 and int8-weight bases run their blocks on the step"
-    if batch_step_block() is None:
-        return "the step serves blocks of 8 as fast where inductor's register block covers 8 rows (AVX-512)"
-    return None
-
-
 def _example(base, capacity: int = 64, block: int = 4, past: int = 8, rows: int = 2):
     heads, head_dim = kv_layout(base.config)
     cache = verification_cache(base.config, capacity)
@@ -244,17 +221,14 @@ def _example(base, capacity: int = 64, block: int = 4, past: int = 8, rows: int 
 def export_step(base, graph: str = STEP):
     """`torch.export` of the step with dynamic batch rows, block length, cache capacity and attended length (the
     one-token batch step: one token per row, `ONE_TOKEN_ROWS` example rows, stacked query heads; the two-token batch
-    step: two tokens per row, `TWO_TOKENS_ROWS` example rows; the eight-token step: one row of 8 tokens)."""
+    step: two tokens per row, `TWO_TOKENS_ROWS` example rows)."""
     one_token = graph == ONE_TOKEN
     if graph == STEP:
         cache, args = _example(base)
-    elif graph == EIGHT_TOKENS:
-        cache, args = _example(base, block=EIGHT, rows=1)
     else:
         width, example_rows = BATCH_EXAMPLE[graph]
         cache, args = _example(base, block=width, rows=example_rows)
-    static_rows = graph == EIGHT_TOKENS  # static GEMM rows: the 8 x 8 block's one pass
-    rows = torch.export.Dim.STATIC if static_rows else torch.export.Dim("rows", min=1, max=MAX_ROWS)
+    rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
     block = torch.export.Dim("block", min=1, max=MAX_BLOCK) if graph == STEP else torch.export.Dim.STATIC
     attended = torch.export.Dim("attended", min=2, max=MAX_CONTEXT)
     capacity = torch.export.Dim("capacity", min=16, max=MAX_CONTEXT)
@@ -408,12 +382,9 @@ def ensure(base, log=None, graph: str = STEP) -> Artifact:
 
 def preload(base, generation_config=None) -> None:
     """Load `base`'s artifact now (at `from_pretrained`) when its generation config compiles and one is built, so the
-    first `generate()` runs at full speed (and its eight-token step where it has one); nothing when none is built
-    (`HF_BPD_OFF=artifacts`: never)."""
+    first `generate()` runs at full speed; nothing when none is built (`HF_BPD_OFF=artifacts`: never)."""
     if getattr(generation_config, "compile", False) and enabled():
         load(base)
-        if eight_tokens_unsupported_reason(base) is None:
-            load(base, graph=EIGHT_TOKENS)
 
 
 def forget(base) -> None:

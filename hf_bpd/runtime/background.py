@@ -76,7 +76,7 @@ def building(directory: Path) -> bool:
 
 
 def ready_artifact(base, graph: str = artifacts.STEP):
-    """`graph` of `base`'s artifact (`artifacts.STEP`, a batch step, the eight-token step) if it is
+    """`graph` of `base`'s artifact (`artifacts.STEP` or a batch step) if it is
     loaded or built by now, else None, after starting its build in the background unless one is under way in its
     folder or its last one failed."""
     artifact = artifacts.load(base, graph=graph)
@@ -109,8 +109,7 @@ def ready_artifact(base, graph: str = artifacts.STEP):
 
 _MEANWHILE = {artifacts.STEP: "decoding eagerly",
               artifacts.ONE_TOKEN: "batches run their one-token steps on the compiled step",
-              artifacts.TWO_TOKENS: "batches run their two-token steps on the compiled step",
-              artifacts.EIGHT_TOKENS: "blocks of 8 tokens run on the compiled step"}
+              artifacts.TWO_TOKENS: "batches run their two-token steps on the compiled step"}
 
 
 def worker_command(directory: Path, graph: str, request: str, lock_fd: int | None = None) -> list[str]:

@@ -45,7 +45,7 @@ CACHE_BUCKET = 512
 COMPILED_DRAFT_SLOTS = 7
 MAX_COMPILED_SHAPES = 64  # block lengths one runner may compile (dynamo's own limit is 8)
 TIMED_CALLS = 5  # timed calls of each block length in `warm_up` (after two untimed ones)
-ONE_ROW, ONE_ROW_EIGHT_TOKENS = "1 row", "1 row, eight-token step"  # a lone call's kept costs (`KeptCosts` entries)
+ONE_ROW = "1 row"  # a lone call's kept costs (their `KeptCosts` entry)
 SANE_DROP = 0.1  # a kept table's longer block may time at most this share under a shorter one
 # Inductor splits a loop over the threads once each share holds `cpp.min_chunk_size` elements (512 in torch 2.13): in
 # a one-token step that is the row's norm, a reduction over hidden_size (from 1,024 on two threads), whose partial
@@ -342,35 +342,22 @@ class ArtifactRunner(CompiledRunner):
     `CompiledRunner`. The block lengths `warm_up` times (the cost schedule's table) are timed once per machine and
     kept beside the artifact (`KeptCosts`, entry `ONE_ROW`): a new process's first call reads them instead of timing
     `2 + TIMED_CALLS` steps of each, a noticeable part of a first call; a kept table this process's steps contradict is
-    dropped, and the next call's `warm_up` times every length again and keeps those. Blocks of 8 tokens of one row run
-    on the artifact's eight-token step once it is attached (`attach_eight_tokens`; AVX2 CPUs), whose costs are kept
-    apart (entry `ONE_ROW_EIGHT_TOKENS`)."""
+    dropped, and the next call's `warm_up` times every length again and keeps those."""
 
     kind = "artifact"
 
     def __init__(self, base, max_cache_len: int, artifact):
-        from .artifacts import EIGHT, MAX_BLOCK
+        from .artifacts import MAX_BLOCK
 
         super().__init__(base, max_cache_len)
         self.artifact, self.max_block = artifact, MAX_BLOCK
-        self.eight_tokens, self.eight = None, EIGHT  # the artifact's eight-token step (once attached), its block
         self.kv = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
         self.blocking = False  # set per call: whether a block over `max_block` may compile
         self._read_kept()
 
-    def attach_eight_tokens(self, eight_tokens) -> None:
-        """Run blocks of 8 tokens of one row on `eight_tokens` (the artifact's eight-token step; None: on the step).
-        The kept costs switch to its table: every served length's cost is read from there or timed again."""
-        if eight_tokens is self.eight_tokens:
-            return
-        self.eight_tokens = eight_tokens
-        for block in [b for b in self.bucket_ms if b <= self.max_block]:
-            del self.bucket_ms[block]
-        self._read_kept()
-
     def _read_kept(self) -> None:
         """The kept costs of the blocks the artifact serves as this runner's (nothing to compile, already timed)."""
-        self.kept = KeptCosts(self.artifact, ONE_ROW if self.eight_tokens is None else ONE_ROW_EIGHT_TOKENS)
+        self.kept = KeptCosts(self.artifact, ONE_ROW)
         for block, ms in self.kept.table.items():
             if block <= self.max_block:
                 self.compiled_buckets.setdefault(block, 0.0)
@@ -412,9 +399,7 @@ class ArtifactRunner(CompiledRunner):
         attended = int(cache_position[-1]) + 1  # the cached tokens and this block; the slots after it are not read
         mask = attention_mask[..., :attended].contiguous()
         start = time.perf_counter()
-        eight = self.eight_tokens is not None and q == self.eight and input_ids.shape[0] == 1
-        graph = self.eight_tokens if eight else self.artifact
-        logits, hidden = graph(input_ids, position_ids, mask, cache_position[0], self.kv)
+        logits, hidden = self.artifact(input_ids, position_ids, mask, cache_position[0], self.kv)
         if q in self.kept:
             self._check_kept(q, 1000 * (time.perf_counter() - start))
         self.last_kind = "artifact"

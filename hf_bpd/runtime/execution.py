@@ -108,11 +108,6 @@ def _verifier(model, needed_length: int, attention_mask, wait: bool):
     runner = compiled_runner(base, needed_length, artifact)
     if isinstance(runner, ArtifactRunner):
         runner.blocking = wait
-        eight = None
-        if artifacts.eight_tokens_unsupported_reason(base) is None:  # AVX2: blocks of 8 on a graph of their own
-            eight = (artifacts.ensure(base, log=log, graph=artifacts.EIGHT_TOKENS) if wait
-                     else background.ready_artifact(base, artifacts.EIGHT_TOKENS))
-        runner.attach_eight_tokens(eight)
     return CompiledVerifier(model, runner), runner
 
 

@@ -6,7 +6,7 @@ four times; its one other fp32 AVX2 block, 8 x 8, passes twice, so a batch step 
 8 x 8, and one of fewer rows no slower. The logits are equal bit for bit: the block changes which outputs a kernel
 call computes, not the order of any sum. In graphs whose block length is dynamic (the artifact's step, tuned for 8
 tokens) 8 x 8 did not pay, so only the graphs beside it get it (`batch_step_block`): the batch steps of one and two
-tokens a row, and the eight-token step, whose 8 rows are static (docs/performance.md, "Compiled steps").
+tokens a row (docs/performance.md, "Compiled steps").
 
 inductor has no option for the register block, so while the graph compiles (inside `register_block` only) its list
 of fp32 micro-kernel configurations for this CPU's instruction set keeps the chosen block's. The list is inductor's
