@@ -35,3 +35,23 @@ def test_tables_written_changed_or_removed_during_a_session_are_put_back(tmp_pat
     assert json.loads(other.read_text()) == {"cpu": "AVX512"}
     assert len(changed) == 4
     assert restore(tmp_path, before) == []  # nothing left to put back
+
+
+def test_kept_costs_keep_entries_apart_and_drop_the_one_its_steps_contradict(tmp_path):
+    """`KeptCosts`: one file beside an artifact, one table per entry; a table this process's steps contradict is
+    dropped, from the file too, and the other entries stay; an artifact without a file keeps nothing."""
+    from hf_bpd.runtime.cache_files import COSTS_FILE, STALE_STEPS, KeptCosts
+
+    class Artifact:
+        path = tmp_path / "step.pt2"
+
+    KeptCosts(Artifact(), "1 row").keep({1: 10.0, 4: 13.0})
+    KeptCosts(Artifact(), "4 rows").keep({1: 7.0})
+    again = KeptCosts(Artifact(), "1 row")
+    assert again.table == {1: 10.0, 4: 13.0} and 4 in again
+    dropped = [again.contradicted(4, 100.0) for _ in range(STALE_STEPS)]
+    assert dropped[-1] and not any(dropped[:-1]) and again.table == {} and 4 not in again
+    assert json.loads((tmp_path / COSTS_FILE).read_text()) == {"4 rows": {"1": 7.0}}
+    confirmed = KeptCosts(Artifact(), "4 rows")
+    assert not any(confirmed.contradicted(1, 7.2) for _ in range(STALE_STEPS)) and confirmed.table == {1: 7.0}
+    KeptCosts(None, "1 row").keep({1: 1.0})  # nowhere to keep it: no error

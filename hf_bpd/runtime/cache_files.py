@@ -112,7 +112,7 @@ class KeptCosts:
             self.check.unchecked.discard(tokens)
             self.check.seen.pop(tokens, None)
         stored = self._file()
-        if stored is None:
+        if self.path is None or stored is None:  # (an artifact without a file: nothing to keep it in)
             return
         stored = {e: t for e, t in stored.items() if isinstance(t, dict)}  # (entries only)
         if table is not None:
