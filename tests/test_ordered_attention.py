@@ -149,8 +149,6 @@ def test_compiled_bf16_block_rows_equal_one_token_steps(bf16_model):
 def wide_bf16_model():
     """A four-layer bf16 Qwen2 as wide as Qwen2.5-1.5B (hidden size 1,536, q/k/v biases), run on two threads: there a
     one-token step's norm is long enough for inductor to split it over the threads (`compiled.SERIAL_LOOPS`)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=128, hidden_size=1536, intermediate_size=256, num_hidden_layers=4,
                          num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=256)
@@ -162,15 +160,19 @@ def wide_bf16_model():
     yield model
     verify_runtime.discard_runners(model.base_lm)
     torch._dynamo.reset()
-    torch.set_num_threads(threads)
 
 
 def test_compiled_bf16_block_rows_equal_one_token_steps_on_two_threads(wide_bf16_model):
     """Rows of a wide base's block equal its one-token steps at many positions, on two threads (where inductor would
     otherwise split a one-token step's norm over the threads and sum it in another order)."""
-    runner = verify_runtime.compiled_runner(wide_bf16_model.base_lm, 64)
-    for length in range(4, 20):  # (without `SERIAL_LOOPS` a row differed at length 15)
-        assert_tree_rows_equal_one_token_steps(wide_bf16_model, runner, prompt_ids(length, length))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # (this test only: the module's other tests run on one thread)
+    try:
+        runner = verify_runtime.compiled_runner(wide_bf16_model.base_lm, 64)
+        for length in range(4, 20):  # (without `SERIAL_LOOPS` a row differed at length 15)
+            assert_tree_rows_equal_one_token_steps(wide_bf16_model, runner, prompt_ids(length, length))
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("options", [{}, {"tree": (2, 2, 1)}, {"num_drafts": 3, "draft_top_k": 2},
