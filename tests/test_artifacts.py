@@ -443,7 +443,7 @@ def test_an_artifact_runner_times_its_own_steps_once_per_machine(built, monkeypa
     calls = []
     monkeypatch.setattr(batched.ArtifactBatchedRunner, "run", lambda self, *a, **k: calls.append(a))
     again = batched.ArtifactBatchedRunner.__new__(batched.ArtifactBatchedRunner)
-    again.__dict__.update(runner.__dict__, _costs={}, kept=KeptCosts(None, ""))
+    again.__dict__.update(runner.__dict__, kept=KeptCosts(None, ""))
     assert again.measured_costs(3) == pytest.approx(costs, abs=1e-3) and not calls
     # the one-token batch step's costs are its own: with it, the runner times its steps again
     again.one_token = artifacts.load(base, graph=artifacts.ONE_TOKEN)
@@ -583,7 +583,7 @@ def test_a_kept_batch_cost_table_that_the_steps_contradict_is_timed_again(built)
     out = model.generate(ids, attention_mask=mask, compile=True, **kwargs)
     assert check_rows(model, prompts, out, ids.shape[1], kwargs) == 0
     runner = next(iter(batched._RUNNERS[base].values()))
-    assert not runner.kept.check.unchecked and not runner._costs  # found wrong during the call, dropped
+    assert not runner.kept.check.unchecked and not runner.kept.table  # found wrong during the call, dropped
     stored = json.loads(kept.read_text())
     dropped = [e for e in entries if e not in stored]
     assert len(dropped) == 1 and stored["2 rows"] == {"1": 7.0}  # the entry its steps priced, no other
@@ -593,11 +593,11 @@ def test_a_kept_batch_cost_table_that_the_steps_contradict_is_timed_again(built)
     retimed = json.loads(kept.read_text())[entry]
     assert entry == dropped[0] and set(retimed) == set(honest[entry]) and max(retimed.values()) < 100.0
     # a table the steps confirm stays: checked against steps that match it
-    ms = runner._costs[4]
+    ms = runner.kept.table[4]
     runner.kept.check = cache_files.KeptCostCheck([4])
     for _ in range(cache_files.STALE_STEPS):
         runner._check_kept(4, ms)
-    assert 4 not in runner.kept and runner._costs[4] == ms and json.loads(kept.read_text())[entry] == retimed
+    assert 4 not in runner.kept and runner.kept.table[4] == ms and json.loads(kept.read_text())[entry] == retimed
     batched.discard_batched_runners(base)
 
 

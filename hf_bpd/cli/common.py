@@ -31,8 +31,8 @@ def dtype_name(text: str) -> str:
 def _add_dtype(p, quantize: bool = False) -> None:
     """`--dtype` (a torch dtype name or its short form) and, with `quantize`, `--quantize int8`."""
     p.add_argument("--dtype", default=None, type=dtype_name, choices=DTYPES,
-                   help="model dtype (also fp32, bf16, fp16; default: a checkpoint's own where hf_bpd's kernels run it, "
-                        "else float32; bfloat16 with --quantize int8)")
+                   help="model dtype (also fp32, bf16, fp16; default: a checkpoint's own where hf_bpd's kernels run "
+                        "it, else float32; bfloat16 with --quantize int8)")
     if quantize:
         p.add_argument("--quantize", default=None, choices=QUANTIZE,
                        help="the base's linear layers with int8 weights and bf16 activations (hf_bpd's "

@@ -16,9 +16,9 @@ transformers, ...):
   `category`, `samples`, `new_tokens`, `seconds`, `tokens_per_s` (new tokens / seconds), `speedup_vs_ar` (tokens/s
   over ar's on the same prompts), `vs_best_plain` (tokens/s over the faster of the plain paths that ran, `ar` and
   `ar-compiled`: what a user compares with), `vs_llama_cpp` (over the fastest llama.cpp method's, plain or
-  speculative, when one ran), `block_efficiency` (new tokens / serial calls), `serial_calls`, `mean_accepted` (accepted draft tokens per serial
-  call after the first), `draft_share` (drafting time / total time), `exact` (every output token-identical to ar's)
-  and `exact_rate`.
+  speculative, when one ran), `block_efficiency` (new tokens / serial calls), `serial_calls`, `mean_accepted`
+  (accepted draft tokens per serial call after the first), `draft_share` (drafting time / total time), `exact` (every
+  output token-identical to ar's) and `exact_rate`.
 * `samples`: one record per (prompt, turn, method): `id`, `category`, `turn`, `method`, `prompt_tokens`,
   `new_tokens`, `seconds`, `tokens_per_s`, `speedup_vs_ar` (ar's seconds / this method's), `serial_calls`,
   `block_efficiency`, `mean_accepted`, `accepted_lengths` and `draft_tokens` (per serial call), `draft_seconds`,

@@ -11,8 +11,9 @@ by the strides it was built with). The KV tensors are inputs written in place, s
 
 Graphs beside the step, each with static shapes where that lets inductor pick better kernels: the batch steps of one
 and two tokens a row (`ONE_TOKEN`, `TWO_TOKENS`). They are built after the step, in the background or by `hf-bpd
-compile`; the step serves their shapes until they exist. A base with sliding-window layers has no batch steps; its step takes the sliding layers'
-mask as an input of its own (`_WindowedStep`). docs/performance.md#compiled-steps has their costs.
+compile`; the step serves their shapes until they exist. A base with sliding-window layers has no batch steps; its
+step takes the sliding layers' mask as an input of its own (`_WindowedStep`). docs/performance.md#compiled-steps has
+their costs.
 
 An artifact is valid for what it was built from, all in its key: the base's weights (`weights.digest`: every byte),
 dtype and config, the torch / transformers / hf_bpd versions, the CPU's instruction set and flags (AMX tiles are not

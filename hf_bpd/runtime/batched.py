@@ -201,8 +201,8 @@ class ArtifactBatchedRunner(BatchedRunner):
         self.one_token = None  # the artifact's one-token batch step, once it is built (set by each call)
         self.two_tokens = None  # its two-token batch step, likewise
         self.kv = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
-        self._costs: dict[int, float] = {}  # tokens -> ms of this runner's steps (`measured_costs`)
-        self.kept = KeptCosts(None, "")  # the kept costs of the graphs its steps ran on when timed (`_cost_entry`)
+        # `{tokens: ms}` of this runner's steps (`measured_costs`), kept per graphs its steps run on (`_cost_entry`)
+        self.kept = KeptCosts(None, "")
 
     def run(self, tokens, positions, mask, key_slots=None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         width = tokens.shape[1]
@@ -231,8 +231,7 @@ class ArtifactBatchedRunner(BatchedRunner):
         """A step over `tokens` tokens took `ms`: checked against its kept cost; a kept table its steps contradict
         (timed on a loaded machine, say) is dropped (`KeptCosts.contradicted`), and the next call's `measured_costs`
         times the steps again."""
-        if self.kept.contradicted(tokens, ms):
-            self._costs = {}
+        self.kept.contradicted(tokens, ms)
 
     def measured_costs(self, max_width: int) -> dict[int, float]:
         """`{tokens: ms}` of this runner's own steps, for the batch's width choice: blocks of 1 to `max_width` tokens
@@ -245,7 +244,7 @@ class ArtifactBatchedRunner(BatchedRunner):
         entry = self._cost_entry()
         if self.kept.entry != entry:
             self.kept = KeptCosts(self.artifact, entry)
-            self._costs = dict(self.kept.table)
+        costs = dict(self.kept.table)
         past = int(self.cache.layers[0].cumulative_length)
         wanted = [(self.rows, w) for w in range(1, max_width + 1)]
         rows = self.rows // 2
@@ -253,11 +252,11 @@ class ArtifactBatchedRunner(BatchedRunner):
             wanted.append((rows, 1))
             rows //= 2
         if past + max_width > self.max_cache_len:
-            return dict(self._costs)
+            return costs
         measured = False
         with torch.no_grad():
             for rows, width in wanted:
-                if rows * width in self._costs:
+                if rows * width in costs:
                     continue
                 tokens = torch.zeros(rows, width, dtype=torch.long, device=self.base.device)
                 positions = past + torch.arange(width, device=tokens.device).expand(rows, width)
@@ -268,11 +267,11 @@ class ArtifactBatchedRunner(BatchedRunner):
                     self.run(tokens, positions, mask)
                     times.append(1000 * (time.perf_counter() - begin))
                     self.set_length(past)
-                self._costs[rows * width] = sorted(times[1:])[COST_CALLS // 2]
+                costs[rows * width] = sorted(times[1:])[COST_CALLS // 2]
                 measured = True
         if measured:
-            self.kept.keep(self._costs)
-        return dict(self._costs)
+            self.kept.keep(costs)
+        return dict(costs)
 
     def _cost_entry(self) -> str:
         """The kept costs' entry of this runner's steps as they run now: its rows and the batch steps built."""
