@@ -50,6 +50,19 @@ def tiny_smollm2_vocab_base(tokenizer):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+# The files that take longest, first: `.ci/run`'s two workers take whole files in collection order
+# (`--dist loadfile --no-loadscope-reorder`), so with the long ones started first both workers finish together.
+LONGEST_FIRST = ("test_background.py", "test_sampling.py", "test_checkpoint.py", "test_real_models.py",
+                 "test_training.py", "test_artifacts.py", "test_quiet.py", "test_cli.py", "test_compiled.py",
+                 "test_batch.py", "test_feature_drafter.py", "test_inlining.py", "test_batch_compiled.py")
+
+
+def pytest_collection_modifyitems(items):
+    """`LONGEST_FIRST`'s files first, in its order; the others after them in their own order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_configure(config):
     """The machine's kept timing tables as the session finds them (`tests/kept_timings.py`), in the process that runs
     the session (under pytest-xdist the controller, which outlives its workers)."""

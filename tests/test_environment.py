@@ -34,3 +34,22 @@ def test_off_reads_a_comma_separated_list_and_warns_once_about_an_unknown_name(m
     assert not any(environment.off(path) for path in environment.PATHS)
     with pytest.raises(KeyError, match="no machine-specific path 'amx-tiles'"):
         environment.off("amx-tiles")
+
+
+
+def test_inductors_own_autotune_switch_is_honoured_for_fp32_steps():
+    """`TORCHINDUCTOR_MAX_AUTOTUNE=0` (torch's variable) builds fp32 steps without autotuning, unset they autotune;
+    half precision always autotunes (its row invariance needs the GEMM templates). In a new process: the suite's
+    own compiles run without autotuning (tests/conftest.py)."""
+    import subprocess
+    import sys
+
+    code = ("import importlib, os; from hf_bpd.runtime import compiled, inlining; from torch._inductor import config\n"
+            "os.environ.pop('TORCHINDUCTOR_MAX_AUTOTUNE', None); seen = [importlib.reload(inlining).INDUCTOR_OPTIONS]\n"
+            "os.environ['TORCHINDUCTOR_MAX_AUTOTUNE'] = '0'; seen.append(importlib.reload(inlining).INDUCTOR_OPTIONS)\n"
+            "compiled.INDUCTOR_OPTIONS = seen[-1]\n"
+            "with compiled._Patches(ordered=True): ordered = config.max_autotune\n"
+            "print(*[s['max_autotune'] for s in seen], ordered)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "False", "True"]

@@ -28,8 +28,11 @@ import subprocess
 logger = logging.getLogger(__name__)
 
 # The inductor settings of hf_bpd's compiled steps (`torch.compile`d and ahead-of-time artifacts alike): frozen,
-# prepacked weights and the CPU GEMM templates.
-INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# prepacked weights and the CPU GEMM templates. inductor's own switch is honoured as torch documents it:
+# `TORCHINDUCTOR_MAX_AUTOTUNE=0` builds fp32 steps without benchmarking candidate GEMM kernels (faster to build,
+# slower to run); half-precision steps autotune regardless, since their row invariance needs the templates.
+INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": os.environ.get("TORCHINDUCTOR_MAX_AUTOTUNE") != "0",
+                    "max_autotune_gemm_backends": "CPP,ATEN"}
 
 # GCC's inlining limits, raised so that `kernel<rows, 48>` of every row count (1..8) is inlined, and its complete
 # peeling limits, raised so that the 6..8-row kernels' accumulators (18..24 vectors) also end in registers.
