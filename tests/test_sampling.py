@@ -65,11 +65,13 @@ def sample_counts(generate):
 
 
 def chi2_pvalue(counts, probs, group=lambda o: o):
-    """Chi-square goodness of fit over the outcome groups; groups expected < 5 times are pooled."""
+    """Chi-square goodness of fit over the outcome groups; groups expected < 5 times in as many draws as `counts`
+    holds are pooled."""
+    draws = sum(counts.values())
     expected, observed = {}, {}
     for o, p in probs.items():
         g = group(o)
-        expected[g] = expected.get(g, 0.0) + p * N
+        expected[g] = expected.get(g, 0.0) + p * draws
         observed[g] = observed.get(g, 0) + counts.get(o, 0)
     small = [g for g in expected if expected[g] < 5]
     exp = [expected[g] for g in expected if g not in small] + [sum(expected[g] for g in small)]
