@@ -547,3 +547,22 @@ def test_llama_cpp_speculative_decoding_drafts_with_a_second_gguf(smollm2):
     assert stats.block_efficiency > 3.0, stats.accepted_lengths
     with pytest.raises(MethodSkipped, match="--assistant-model"):
         decode_llama_cpp(base, inputs, 8, draft_tokens=4)
+
+
+def test_peak_memory_script_smoke(checkpoint, tmp_path, capsys):
+    """benchmarks/peak_memory.py measuring one method in this process (what each of its child processes does): the
+    resident size after loading and the peak while decoding, which cannot be below what was resident then."""
+    from tests.test_training import ROOT
+
+    spec = importlib.util.spec_from_file_location("peak_memory", ROOT / "benchmarks" / "peak_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = ["--model", str(checkpoint[1]), "--questions", str(write_questions(tmp_path / "q.jsonl")), "--limit", "1",
+            "--max-new-tokens", "4", "--threads", "1"]
+    assert module.main([*args, "--methods", "eager", "--in-process"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["method"] == "eager" and row["new_tokens"] == 4
+    assert row["peak_mb"] >= row["loaded_mb"] * 0.9 > 0
+    with pytest.raises(SystemExit):
+        module.main([*args, "--methods", "eager,turbo"])
+    assert "unknown method(s) turbo" in capsys.readouterr().err
