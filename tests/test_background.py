@@ -76,6 +76,7 @@ def test_calls_never_wait_and_switch_to_the_artifact_once_built(cache, caplog):
     assert process.returncode == 0, (directory / "build.log").read_text()[-2000:]
     assert not [p.name for p in directory.iterdir() if p.name.startswith(background.WEIGHTS)]  # the copy is gone
     assert base.config.architectures is None  # the caller's base was not changed by saving its weights
+    assert artifacts.cached_key(base)["autotune"] is False  # built without autotuning: keyed apart
     _BUILT[SEED] = directory
 
     # later calls: the artifact, nothing compiled; a block longer than it serves runs eagerly on the same cache

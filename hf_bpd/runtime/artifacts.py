@@ -144,6 +144,8 @@ def artifact_key(base, threads: int | None = None) -> dict:
             # every CPU flag: inductor's GEMM code uses AMX tiles where they are, which the capability does not name
             "cpu_flags": hashlib.sha256(cpu_features().encode()).hexdigest()[:16],
             "max_block": MAX_BLOCK, "max_rows": MAX_ROWS,
+            # built without GEMM autotuning (inductor's own switch): kept apart, so autotuned calls never load it
+            **({"autotune": False} if os.environ.get("TORCHINDUCTOR_MAX_AUTOTUNE") == "0" else {}),
             # sliding-window bases: the step takes the sliding layers' mask as an input of its own
             **({"windowed": WINDOWED_FORMAT} if sliding_window_of(base) is not None else {})}
 
