@@ -90,13 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             print(done.stderr[-2000:], file=sys.stderr)
             return done.returncode
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    plain = {r["method"]: r["peak_mb"] for r in rows}
-    result = {"peak_mb": plain, "loaded_mb": {r["method"]: r["loaded_mb"] for r in rows}, "rows": rows,
+    peaks = {r["method"]: r["peak_mb"] for r in rows}
+    result = {"peak_mb": peaks, "loaded_mb": {r["method"]: r["loaded_mb"] for r in rows}, "rows": rows,
               "machine": machine_info()}
-    if "default" in plain and "eager" in plain:
-        result["default_vs_eager_peak"] = round(plain["default"] / plain["eager"], 2)
-    if "default" in plain and "ar-compiled" in plain:
-        result["default_vs_compiled_plain_peak"] = round(plain["default"] / plain["ar-compiled"], 2)
+    for plain, name in (("eager", "default_vs_eager_peak"), ("ar-compiled", "default_vs_compiled_plain_peak")):
+        if "default" in peaks and plain in peaks:
+            result[name] = round(peaks["default"] / peaks[plain], 2)
     print_figures(result, args.output)
     return 0
 

@@ -132,6 +132,7 @@ def artifact_key(base, threads: int | None = None) -> dict:
     import transformers
 
     from .. import __version__
+    from .inlining import autotune_off
     from .int8_heads import cpu_features
 
     # the config's values, without the fields that only record where it came from (`save_pretrained` sets some)
@@ -145,7 +146,7 @@ def artifact_key(base, threads: int | None = None) -> dict:
             "cpu_flags": hashlib.sha256(cpu_features().encode()).hexdigest()[:16],
             "max_block": MAX_BLOCK, "max_rows": MAX_ROWS,
             # built without GEMM autotuning (inductor's own switch): kept apart, so autotuned calls never load it
-            **({"autotune": False} if os.environ.get("TORCHINDUCTOR_MAX_AUTOTUNE") == "0" else {}),
+            **({"autotune": False} if autotune_off() else {}),
             # sliding-window bases: the step takes the sliding layers' mask as an input of its own
             **({"windowed": WINDOWED_FORMAT} if sliding_window_of(base) is not None else {})}
 

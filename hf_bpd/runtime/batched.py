@@ -271,7 +271,7 @@ class ArtifactBatchedRunner(BatchedRunner):
                 measured = True
         if measured:
             self.kept.keep(costs)
-        return dict(costs)
+        return costs
 
     def _cost_entry(self) -> str:
         """The kept costs' entry of this runner's steps as they run now: its rows and the batch steps built."""

@@ -31,8 +31,12 @@ logger = logging.getLogger(__name__)
 # prepacked weights and the CPU GEMM templates. inductor's own switch is honoured as torch documents it:
 # `TORCHINDUCTOR_MAX_AUTOTUNE=0` builds fp32 steps without benchmarking candidate GEMM kernels (faster to build,
 # slower to run); half-precision steps autotune regardless, since their row invariance needs the templates.
-INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": os.environ.get("TORCHINDUCTOR_MAX_AUTOTUNE") != "0",
-                    "max_autotune_gemm_backends": "CPP,ATEN"}
+def autotune_off() -> bool:
+    """Whether inductor's own `TORCHINDUCTOR_MAX_AUTOTUNE=0` turns GEMM autotuning off (read where it decides)."""
+    return os.environ.get("TORCHINDUCTOR_MAX_AUTOTUNE") == "0"
+
+
+INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": not autotune_off(), "max_autotune_gemm_backends": "CPP,ATEN"}
 
 # GCC's inlining limits, raised so that `kernel<rows, 48>` of every row count (1..8) is inlined, and its complete
 # peeling limits, raised so that the 6..8-row kernels' accumulators (18..24 vectors) also end in registers.
