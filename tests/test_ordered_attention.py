@@ -148,7 +148,7 @@ def test_compiled_bf16_block_rows_equal_one_token_steps(bf16_model):
 @pytest.fixture(scope="module")
 def wide_bf16_model():
     """A four-layer bf16 Qwen2 as wide as Qwen2.5-1.5B (hidden size 1,536, q/k/v biases), run on two threads: there a
-    one-token step's norm is long enough for inductor to split it over the threads (`compiled.SERIAL_LOOPS`)."""
+    one-token step's norm is long enough for inductor to split it over the threads (`inlining.SERIAL_LOOPS`)."""
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=128, hidden_size=1536, intermediate_size=256, num_hidden_layers=4,
                          num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=256)
@@ -195,9 +195,10 @@ def assert_drafting_equals_plain(model, options: dict) -> None:
         assert model.last_generation_stats.verifier == "compiled"
 
 
-def test_half_precision_bases_compile_in_process_not_through_artifacts(bf16_model):
+def test_half_precision_bases_off_the_kernels_compile_in_process_not_through_artifacts(bf16_model):
     """An artifact's attention reads only the used slots (its reductions regroup as the context grows), so
-    half-precision bases compile in-process, and `hf-bpd compile` says so in one line."""
+    half-precision bases off hf_bpd's kernels (head dim 8 here) compile in-process, and `hf-bpd compile` says so in
+    one line (bases on the kernels get code-only artifacts: tests/test_ordered_artifacts.py)."""
     from hf_bpd.runtime import artifacts
 
     reason = artifacts.unsupported_reason(bf16_model.base_lm)

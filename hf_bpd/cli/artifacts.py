@@ -53,14 +53,17 @@ def cmd_compile(args) -> int:
     if batch_step:
         for graph in artifacts.BATCH_GRAPHS:
             artifacts.build(base, args.threads, log=log, graph=graph)
+    code_only = artifacts.supplies_constants(base)  # one sequence at a time; batches compile in the call
+    serves = ("one sequence at a time (code only: the process gives it its packed weights; batches compile in the "
+              "call)" if code_only else f"batches of up to {artifacts.MAX_ROWS} rows"
+              + (" (their steps of one and two tokens a row on the batch steps)" if batch_step else ""))
     print(f"{path} ready ({time.perf_counter() - start:.0f} s); generate(compile=True) with {args.threads} threads "
-          f"loads it; it serves blocks of 1 to {artifacts.MAX_BLOCK} tokens, every context length and batches of up "
-          f"to {artifacts.MAX_ROWS} rows" + (" (their steps of one and two tokens a row on the batch steps)"
-                                            if batch_step else ""))
+          f"loads it; it serves blocks of 1 to {artifacts.MAX_BLOCK} tokens, every context length and {serves}")
     if largest > artifacts.MAX_BLOCK:
+        longer = "are compiled in each process" if code_only else \
+            "run eagerly (compile='wait': with torch.compile in each process)"
         print(f"hf-bpd: the drafting shape asked for verifies blocks of {largest} tokens, over {artifacts.MAX_BLOCK}: "
-              "those steps run eagerly (compile='wait': with torch.compile in each process); use at most "
-              f"{artifacts.MAX_BLOCK - 1} draft nodes", file=sys.stderr)
+              f"those steps {longer}; use at most {artifacts.MAX_BLOCK - 1} draft nodes", file=sys.stderr)
     return 0
 
 

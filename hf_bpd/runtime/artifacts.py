@@ -15,7 +15,11 @@ compile`; the step serves their shapes until they exist. A base with sliding-win
 step takes the sliding layers' mask as an input of its own (`_WindowedStep`). docs/performance.md#compiled-steps has
 their costs.
 
-An artifact is valid for what it was built from, all in its key: the base's weights (`weights.digest`: every byte),
+A position-ordered bf16 base on hf_bpd's kernels gets an artifact of code only, its constants (the packed weights)
+given at load by the process (`hf_bpd.runtime.ordered_artifact`).
+
+An artifact is valid for what it was built from, all in its key: the base's weights (`weights.digest`: every byte;
+for an artifact of code only, the layout of the constants it is given, and the kernels' build),
 dtype and config, the torch / transformers / hf_bpd versions, the CPU's instruction set and flags (AMX tiles are not
 in the capability's name) and the thread count (baked into the GEMM code). It lives in
 `$HF_BPD_CACHE/artifacts/<key>/` beside `key.json` with the package's sha256 (a corruption check on every load: a
@@ -42,8 +46,9 @@ from .cache_files import (ATTEMPTS, LOCK, claim_lock, distrusted, inductor_cache
                           open_lock, wait_for_lock)
 from .attention import attention_implementation, stacked_query_attention
 from .ordered_attention import uses_ordered_attention
-from .step import VerificationStep, compile_unsupported_reason, kv_layout, sliding_window_of, verification_cache, \
-    window_mask
+from .ordered_artifact import constants_layout, export_ordered, supplied_constants, supplies_constants  # noqa: F401
+from .step import VerificationStep, compile_unsupported_reason, kv_layout, place_kv, sliding_window_of, \
+    verification_cache, window_mask
 
 FORMAT = 5  # bump when the exported step or the key changes (5: keyed on the weights' exact digest)
 STEP, ONE_TOKEN, TWO_TOKENS = "step", "one_token", "two_tokens"  # the graphs: every block; 1 or 2 tokens a row
@@ -53,6 +58,7 @@ ONE_TOKEN_ROWS = 16  # the one-token batch step's example rows (inductor tunes i
 TWO_TOKENS_ROWS = 4  # the two-token batch step's (batches of 4 draft; at 16 rows a second token rarely pays)
 BATCH_EXAMPLE = {ONE_TOKEN: (1, ONE_TOKEN_ROWS), TWO_TOKENS: (2, TWO_TOKENS_ROWS)}  # (tokens a row, example rows)
 WINDOWED_FORMAT = 1  # bump when the step of sliding-window bases (its second mask input) changes
+ORDERED_FORMAT = 1  # bump when the step of position-ordered bases (code only, `_OrderedStep`) changes
 MAX_BLOCK = 16  # block lengths one artifact serves (1..MAX_BLOCK)
 MAX_ROWS = 64  # batch rows one artifact serves (1..MAX_ROWS)
 MAX_CONTEXT = 32768
@@ -115,8 +121,9 @@ def unsupported_reason(base) -> str | None:
         return reason
     if base.device.type != "cpu":
         return "artifacts are built for CPU bases"
-    if uses_ordered_attention(base):
-        return "half-precision bases attend in position order: generate(compile=True) compiles them in-process"
+    if uses_ordered_attention(base) and not supplies_constants(base):
+        return ("half-precision bases off hf_bpd's kernels attend in position order: generate(compile=True) "
+                "compiles them in-process")
     if getattr(base.config, "_attn_implementation", None) not in ("sdpa", "eager"):
         return f"attention implementation {base.config._attn_implementation!r}"
     if not hasattr(torch._inductor, "aoti_compile_and_package"):
@@ -138,7 +145,10 @@ def artifact_key(base, threads: int | None = None) -> dict:
     # the config's values, without the fields that only record where it came from (`save_pretrained` sets some)
     config = {k: v for k, v in base.config.to_dict().items() if k not in _PROVENANCE}
     config = json.dumps(config, sort_keys=True, default=str)
-    return {"format": FORMAT, "weights": weights.digest(base), "dtype": str(base.dtype),
+    supplied = supplies_constants(base)
+    if supplied:
+        from .kernels import kernel_file
+    return {"format": FORMAT, "weights": "supplied" if supplied else weights.digest(base), "dtype": str(base.dtype),
             "config": hashlib.sha256(config.encode()).hexdigest()[:16], "torch": torch.__version__,
             "transformers": transformers.__version__, "hf_bpd": __version__,
             "cpu": torch.backends.cpu.get_cpu_capability(), "threads": threads or torch.get_num_threads(),
@@ -148,7 +158,10 @@ def artifact_key(base, threads: int | None = None) -> dict:
             # built without GEMM autotuning (inductor's own switch): kept apart, so autotuned calls never load it
             **({"autotune": False} if autotune_off() else {}),
             # sliding-window bases: the step takes the sliding layers' mask as an input of its own
-            **({"windowed": WINDOWED_FORMAT} if sliding_window_of(base) is not None else {})}
+            **({"windowed": WINDOWED_FORMAT} if sliding_window_of(base) is not None else {}),
+            # code only: the constants it is given, and the kernels it calls (their library's name hashes the build)
+            **({"ordered": ORDERED_FORMAT, "constants": constants_layout(base), "kernels": kernel_file().name}
+               if supplied else {})}
 
 
 def key_dir(key: dict) -> Path:
@@ -184,13 +197,7 @@ class _Step(VerificationStep):
     """The exported unit: `VerificationStep` with the KV tensors as inputs, this block written at `length`."""
 
     def forward(self, input_ids, position_ids, attention_mask, length, kv):
-        for i, layer in enumerate(self.cache.layers):
-            layer.keys, layer.values = kv[2 * i], kv[2 * i + 1]
-            layer.device = layer.keys.device
-            layer.cumulative_length = length.clone()  # this block's keys/values go to [length, length + Q)
-            layer.is_initialized = True
-        cache_position = length + torch.arange(input_ids.shape[1], device=input_ids.device)
-        return super().forward(input_ids, position_ids, cache_position, attention_mask)
+        return super().forward(input_ids, position_ids, place_kv(self.cache, input_ids, length, kv), attention_mask)
 
 
 class _WindowedStep(_Step):
@@ -205,7 +212,9 @@ class _WindowedStep(_Step):
 def one_token_unsupported_reason(base) -> str | None:
     """Why `base`'s artifact has no batch steps (one-token, two-token; None when it can have them): sliding-window
     bases run their batches' steps on the step (each graph would hold the weights again;
-    docs/performance.md, "Gemma-3-270m")."""
+    docs/performance.md, "Gemma-3-270m"); position-ordered bases compile their batches in the call."""
+    if uses_ordered_attention(base):
+        return "bf16 batches on hf_bpd's kernels have no artifact"
     if sliding_window_of(base) is not None:
         return "sliding-window bases run a batch's one-token steps on the step"
     return None
@@ -225,7 +234,12 @@ def _example(base, capacity: int = 64, block: int = 4, past: int = 8, rows: int 
 def export_step(base, graph: str = STEP):
     """`torch.export` of the step with dynamic batch rows, block length, cache capacity and attended length (the
     one-token batch step: one token per row, `ONE_TOKEN_ROWS` example rows, stacked query heads; the two-token batch
-    step: two tokens per row, `TWO_TOKENS_ROWS` example rows)."""
+    step: two tokens per row, `TWO_TOKENS_ROWS` example rows). A position-ordered base's: `_export_ordered`."""
+    if supplies_constants(base):
+        _check_graph(graph)
+        if graph != STEP:
+            raise ValueError(f"a position-ordered base's artifact has no {graph} graph")
+        return export_ordered(base, MAX_BLOCK, MAX_CONTEXT)
     one_token = graph == ONE_TOKEN
     if graph == STEP:
         cache, args = _example(base)
@@ -261,15 +275,17 @@ def build(base, threads: int | None = None, log=None, key: dict | None = None, g
     `$HF_BPD_CACHE/artifacts/<key>/`. Holds the folder's file lock while building (`lock`: the lock file a
     background worker inherited, already held); returns the package path. `key`: the key to build under (a
     background worker's copy of another process's base: its weights and dtype must be the key's)."""
-    from .inlining import INDUCTOR_OPTIONS, compiler_options
+    from .inlining import INDUCTOR_OPTIONS, ORDERED_OPTIONS, compiler_options
     from .prefetch import prefetching_gemm_template
     from .quiet import quiet_compilation
     from .register_block import batch_step_block, register_block
 
     own = artifact_key(base, threads if key is None else key["threads"])
-    if key is not None and (own["weights"], own["dtype"]) != (key["weights"], key["dtype"]):
+    fields = ("weights", "dtype", "constants")
+    if key is not None and [own.get(f) for f in fields] != [key.get(f) for f in fields]:
         raise ValueError(f"this base is not the one the key names (weights {own['weights']} vs {key['weights']}, "
-                         f"dtype {own['dtype']} vs {key['dtype']})")
+                         f"dtype {own['dtype']} vs {key['dtype']}, constants {own.get('constants')} vs "
+                         f"{key.get('constants')})")
     key = key or own
     directory = key_dir(key)
     package, record_file, failed = graph_files(directory, graph)
@@ -286,6 +302,8 @@ def build(base, threads: int | None = None, log=None, key: dict | None = None, g
             log(f"building {DESCRIPTION[graph]} for this machine ({key['cpu']}, {key['threads']} threads) ...")
         exported = export_step(base, graph)
         options = {**INDUCTOR_OPTIONS, **compiler_options(), "cpp.threads": key["threads"]}
+        if "constants" in key:  # code only: built as the in-process ordered step is, its constants given at load
+            options.update({**ORDERED_OPTIONS, "aot_inductor.package_constants_in_so": False})
         partial = directory / f".partial-{os.getpid()}-{package.name}"
         block = batch_step_block() if graph != STEP else None
         with torch.no_grad(), prefetching_gemm_template(), register_block(block), quiet_compilation(), \
@@ -319,13 +337,25 @@ def valid(directory: Path, key: dict, graph: str = STEP) -> bool:
 class Artifact:
     """A loaded artifact: `(logits, hidden) = artifact(input_ids, position_ids, attention_mask, length, kv)`. A
     sliding-window base's `attention_mask` is its full layers' mask (the sliding layers' is derived from it, slot `i`
-    holding position `i`: `window_mask`) or a dict of both (`"full_attention"`, `"sliding_attention"`: batches)."""
+    holding position `i`: `window_mask`) or a dict of both (`"full_attention"`, `"sliding_attention"`: batches).
+    An artifact of code only is given its `constants` (kept alive here: the package holds pointers to them) and takes
+    each row's key order: `artifact(..., length, kv, order=(key_slots, key_ranks))`."""
 
-    def __init__(self, path: Path, window: int | None = None):
-        self.path, self.window = path, window
+    def __init__(self, path: Path, window: int | None = None, constants: dict[str, torch.Tensor] | None = None):
+        self.path, self.window, self.constants = path, window, constants
         self.model = torch._inductor.aoti_load_package(str(path))
+        if constants is not None:
+            names = self.model.get_constant_fqns()
+            missing = [name for name in names if name not in constants]
+            if missing:
+                raise RuntimeError(f"the artifact {path} needs constants this base lacks ({missing[0]}, ...): "
+                                   "`hf-bpd compile --clear` and build it again")
+            self.model.load_constants({name: constants[name] for name in names}, check_full_update=True,
+                                      user_managed=True)
 
-    def __call__(self, input_ids, position_ids, attention_mask, length, kv):
+    def __call__(self, input_ids, position_ids, attention_mask, length, kv, order=None):
+        if self.constants is not None:
+            return self.model(input_ids, position_ids, attention_mask, length, *order, kv)
         if self.window is None:
             return self.model(input_ids, position_ids, attention_mask, length, kv)
         if isinstance(attention_mask, dict):  # (a base of one layer type: its mask stands in for the other's)
@@ -368,7 +398,8 @@ def load(base, threads: int | None = None, again: bool = False, graph: str = STE
         key = cached_key(base, threads)
         directory = key_dir(key)
         if directory.is_dir() and not distrusted(directory) and valid(directory, key, graph):
-            artifact = Artifact(graph_files(directory, graph)[0], sliding_window_of(base))
+            constants = supplied_constants(base) if "constants" in key else None
+            artifact = Artifact(graph_files(directory, graph)[0], sliding_window_of(base), constants)
     loaded[slot] = artifact
     return artifact
 

@@ -1,8 +1,9 @@
 """Builds beside `generate()`: with `compile=True`, a call never waits for a compiler.
 
 When a base has no artifact for this machine yet (`hf_bpd.runtime.artifacts`), the first compiled call starts a
-build in a worker process and decodes at once with eager verification; every later call looks again and switches
-to the artifact when it is there. The worker:
+build in a worker process and decodes at once with eager verification (a position-ordered bf16 base, whose artifact
+is code only: with its step compiled in the call, as only a compiled step is exact against its plain decoding); every
+later call looks again and switches to the artifact when it is there. The worker:
 
 * gets a copy of the base's weights (`save_pretrained`, safetensors, in the artifact's folder; deleted once loaded),
   so it builds for the base as it is in the caller's process, whatever it was loaded from; the key's weight
@@ -101,10 +102,17 @@ def ready_artifact(base, graph: str = artifacts.STEP):
                 error = failed.read_text().strip().splitlines()[-1:] or ["?"]
                 logger.warning("hf_bpd: the background build of %s failed (%s); %s. `hf-bpd compile CHECKPOINT` "
                                "builds it in the foreground", artifacts.DESCRIPTION[graph], error[0][:200],
-                               _MEANWHILE[graph])
+                               _meanwhile(base, graph))
             return None
         start_build(base, key, directory, graph)
     return None
+
+
+def _meanwhile(base, graph: str) -> str:
+    """What the calls run on until `graph` is built."""
+    if graph == artifacts.STEP and artifacts.supplies_constants(base):
+        return "the step is compiled in each process"
+    return _MEANWHILE[graph]
 
 
 _MEANWHILE = {artifacts.STEP: "decoding eagerly",
@@ -162,7 +170,7 @@ def start_build(base, key: dict, directory: Path, graph: str = artifacts.STEP) -
         _TOLD.add((directory, graph))
         logger.warning("hf_bpd: building %s for this machine in the background (%s, %d threads; log: %s); %s until "
                        "it is ready", artifacts.DESCRIPTION[graph], key["cpu"], key["threads"], directory / "build.log",
-                       _MEANWHILE[graph])
+                       _meanwhile(base, graph))
 
     def save_and_start():
         try:

@@ -28,7 +28,7 @@ from .attention import attention_implementation, grouped_query_attention, uses_g
 from .cache_files import KeptCosts
 from .frame_stack import on_fresh_frame_stack
 from .guards import call_compiled, compile_step
-from .inlining import INDUCTOR_OPTIONS, compiler_options
+from .inlining import INDUCTOR_OPTIONS, ORDERED_OPTIONS, compiler_options
 from .int8_heads import int8_heads_step, kernel_file
 from .ordered_attention import ORDERED_ATTENTION, ORDERED_KERNEL_ATTENTION, identity_key_order, uses_ordered_attention
 from .packed_linear import packed_base
@@ -47,11 +47,6 @@ MAX_COMPILED_SHAPES = 64  # block lengths one runner may compile (dynamo's own l
 TIMED_CALLS = 5  # timed calls of each block length in `warm_up` (after two untimed ones)
 ONE_ROW = "1 row"  # a lone call's kept costs (their `KeptCosts` entry)
 SANE_DROP = 0.1  # a kept table's longer block may time at most this share under a shorter one
-# Inductor splits a loop over the threads once each share holds `cpp.min_chunk_size` elements (512 in torch 2.13): in
-# a one-token step that is the row's norm, a reduction over hidden_size (from 1,024 on two threads), whose partial
-# sums then add in another order than the same row's in a longer block. Ordered steps keep inductor's loops serial:
-# their GEMMs and attention are hf_bpd's kernels, parallel on their own.
-SERIAL_LOOPS = {"cpp.min_chunk_size": 2 ** 31 - 1}
 
 
 class _Patches(contextlib.ExitStack):
@@ -62,7 +57,7 @@ class _Patches(contextlib.ExitStack):
     `ordered` (half precision): GEMMs by inductor's CPU templates only, which `max_autotune` (always on here) picks
     from (autotuned against ATen's, another kernel won for one row than for eight), rounding to bf16 wherever the
     eager program does (`emulate_precision_casts`: else an int8 layer's epilogue stayed fp32 for one row count and not
-    another), and inductor's loops serial (`SERIAL_LOOPS`): a row rounds alike for any row count."""
+    another), and inductor's loops serial (`inlining.SERIAL_LOOPS`): a row rounds alike for any row count."""
 
     def __init__(self, ordered: bool = False):
         super().__init__()
@@ -72,8 +67,7 @@ class _Patches(contextlib.ExitStack):
         super().__enter__()
         options = {**INDUCTOR_OPTIONS, **compiler_options()}
         if self.ordered:
-            options.update(max_autotune=True, max_autotune_gemm_backends="CPP", emulate_precision_casts=True,
-                           **SERIAL_LOOPS)
+            options.update(ORDERED_OPTIONS)
         self.enter_context(inductor_config.patch(options))
         self.enter_context(dynamo_config.patch(recompile_limit=MAX_COMPILED_SHAPES))
         self.enter_context(prefetching_gemm_template())
@@ -390,16 +384,22 @@ class ArtifactRunner(CompiledRunner):
     def run(self, input_ids, position_ids, cache_position, attention_mask, order=None):
         q = input_ids.shape[1]
         if q > self.max_block:
-            if self.blocking:
+            # position-ordered bases: only the compiled step's rows equal the artifact's (an eager block would not)
+            if self.blocking or self.ordered:
                 self.last_kind = "compiled"
                 return super().run(input_ids, position_ids, cache_position, attention_mask, order)
             self.last_kind = "eager"
             with grouped_query_attention(self.base, self.grouped):
                 return self.step(input_ids, position_ids, cache_position, attention_mask)
-        attended = int(cache_position[-1]) + 1  # the cached tokens and this block; the slots after it are not read
-        mask = attention_mask[..., :attended].contiguous()
         start = time.perf_counter()
-        logits, hidden = self.artifact(input_ids, position_ids, mask, cache_position[0], self.kv)
+        if self.ordered:  # the whole cache's mask and key order (the kernel reads the slots some row can see)
+            order = order if order is not None else self.key_order(q, input_ids.device)
+            logits, hidden = self.artifact(input_ids, position_ids, attention_mask.contiguous(), cache_position[0],
+                                           self.kv, order)
+        else:
+            attended = int(cache_position[-1]) + 1  # the cached tokens and this block; the slots after it are unread
+            mask = attention_mask[..., :attended].contiguous()
+            logits, hidden = self.artifact(input_ids, position_ids, mask, cache_position[0], self.kv)
         if q in self.kept:
             self._check_kept(q, 1000 * (time.perf_counter() - start))
         self.last_kind = "artifact"

@@ -103,7 +103,9 @@ def _verifier(model, needed_length: int, attention_mask, wait: bool):
             artifact = artifacts.ensure(base, log=log)
         else:
             artifact = background.ready_artifact(base)
-            if artifact is None:
+            # while it is built: eager verification, or for a base whose artifact is code only (position-ordered,
+            # where only a compiled step is exact against its plain decoding) the step compiled in the call
+            if artifact is None and not artifacts.supplies_constants(base):
                 return None
     runner = compiled_runner(base, needed_length, artifact)
     if isinstance(runner, ArtifactRunner):

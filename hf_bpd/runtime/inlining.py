@@ -38,6 +38,16 @@ def autotune_off() -> bool:
 
 INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": not autotune_off(), "max_autotune_gemm_backends": "CPP,ATEN"}
 
+# Inductor splits a loop over the threads once each share holds `cpp.min_chunk_size` elements (512 in torch 2.13): in
+# a one-token step that is the row's norm, a reduction over hidden_size (from 1,024 on two threads), whose partial
+# sums then add in another order than the same row's in a longer block. Ordered steps keep inductor's loops serial:
+# their GEMMs and attention are hf_bpd's kernels, parallel on their own.
+SERIAL_LOOPS = {"cpp.min_chunk_size": 2 ** 31 - 1}
+# Half-precision (position-ordered) steps, compiled in-process or ahead of time: GEMMs by inductor's CPU templates only,
+# rounding to bf16 where the eager program does, loops serial (see `compiled._Patches`).
+ORDERED_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP", "emulate_precision_casts": True,
+                   **SERIAL_LOOPS}
+
 # GCC's inlining limits, raised so that `kernel<rows, 48>` of every row count (1..8) is inlined, and its complete
 # peeling limits, raised so that the 6..8-row kernels' accumulators (18..24 vectors) also end in registers.
 INLINE_FLAGS = ("--param", "max-inline-insns-single=2000", "--param", "large-stack-frame-growth=100000",

@@ -74,10 +74,18 @@ class PackedLinear(nn.Module):
         return torch.ops.hf_bpd_kernels.packed_linear(x, self.packed, self.scale, self.bias)
 
 
+def packing_unsupported_reason(base) -> str | None:
+    """Why the kernel cannot serve `base`'s linear layers (None when it can: a bf16 CPU base, AVX512-BF16, the
+    kernels built)."""
+    if base.dtype != torch.bfloat16 or base.device.type != "cpu":
+        return "the packed kernels serve bf16 bases on the CPU"
+    return kernels_unsupported_reason()
+
+
 def packed_base(base) -> nn.Module | None:
     """`base`'s module tree with every linear layer the kernel serves packed (see the module docstring), or None
     when this base or this machine has none to serve (not bf16, not on the CPU, no AVX512-BF16, build failed)."""
-    if base.dtype != torch.bfloat16 or base.device.type != "cpu" or kernels_unsupported_reason() is not None:
+    if packing_unsupported_reason(base) is not None:
         return None
     with _lock:
         if weights.changed_since(base, _WEIGHTS_SEEN):  # the packed copies hold the old weights

@@ -67,6 +67,17 @@ def verification_cache(config, max_cache_len: int) -> StaticCache:
     return StaticCache(config=config, max_cache_len=max_cache_len)
 
 
+def place_kv(cache: StaticCache, input_ids: torch.Tensor, length: torch.Tensor, kv) -> torch.Tensor:
+    """Point `cache`'s layers at the tensors `kv` (keys, values, layer after layer), writing this block at `length`
+    (an exported step's cache is its inputs); returns the block's cache positions."""
+    for i, layer in enumerate(cache.layers):
+        layer.keys, layer.values = kv[2 * i], kv[2 * i + 1]
+        layer.device = layer.keys.device
+        layer.cumulative_length = length.clone()  # this block's keys/values go to [length, length + Q)
+        layer.is_initialized = True
+    return length + torch.arange(input_ids.shape[1], device=input_ids.device)
+
+
 class VerificationStep(nn.Module):
     """The base's decoder and output layer as one module (with the base's final logit soft-capping): the unit
     `torch.compile` freezes (`compiled`) and the artifacts export (`artifacts`)."""

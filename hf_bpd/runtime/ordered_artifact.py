@@ -1,0 +1,86 @@
+"""The artifact of a position-ordered bf16 base is code only (`hf_bpd.runtime.artifacts`).
+
+Its step runs the base's packed module tree (`packed_linear.packed_base`: linear layers on hf_bpd's packed kernel,
+attention on its ordered kernel), so the package holds no weights: the exported step's constants are every parameter
+and buffer of that tree, given at load by the process as pointers to its own packed copy. A package is a few MB,
+the process keeps one copy of the packed weights (the in-process compiled step's), and a base whose weights change
+runs on the new ones. Which constants it takes (names, dtypes, shapes), not their bytes, is in its key.
+
+The exported step takes each row's key order (`key_slots`, `key_ranks`: `hf_bpd.runtime.ordered_attention`) as
+inputs, for one row, with a dynamic block length and cache capacity; the mask and the key order span the whole
+cache, as the in-process step's do (the attention kernel reads only the slots some row can see).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from .attention import attention_implementation
+from .ordered_attention import ORDERED_KERNEL_ATTENTION, identity_key_order, uses_ordered_attention
+from .step import VerificationStep, kv_layout, place_kv, verification_cache
+
+
+def supplies_constants(base) -> bool:
+    """Whether `base`'s artifact is code only, its constants given by the process: position-ordered bf16 bases whose
+    linear layers and attention run on hf_bpd's kernels. Not int8-weight bases: the background build's worker loads a
+    saved copy of the base, which would come back with bf16 weights."""
+    from .int8_weights import Int8WeightLinear
+    from .packed_linear import packing_unsupported_reason
+
+    return (uses_ordered_attention(base) and kv_layout(base.config)[1] % 16 == 0  # the attention kernel's head dims
+            and packing_unsupported_reason(base) is None
+            and not any(isinstance(module, Int8WeightLinear) for module in base.modules()))
+
+
+def constants_layout(base) -> str:
+    """A digest of the names, dtypes and shapes of `base`'s parameters and buffers: what a code-only artifact is
+    built for."""
+    tensors = [*base.named_parameters(remove_duplicate=False), *base.named_buffers(remove_duplicate=False)]
+    layout = sorted(f"{name}:{t.dtype}:{tuple(t.shape)}" for name, t in tensors)
+    return hashlib.sha256("\n".join(layout).encode()).hexdigest()[:16]
+
+
+def supplied_constants(base) -> dict[str, torch.Tensor]:
+    """The constants a code-only artifact runs on: every parameter and buffer of `base`'s packed module tree, by the
+    names the exported step gives them."""
+    from .packed_linear import packed_base
+
+    packed = packed_base(base)
+    tensors = [*packed.named_parameters(remove_duplicate=False), *packed.named_buffers(remove_duplicate=False)]
+    return {f"base.{name}": t for name, t in tensors if t is not None}
+
+
+class OrderedStep(VerificationStep):
+    """The exported unit: `VerificationStep` on the packed module tree, the KV tensors and each row's key order as
+    inputs, this block written at `length`."""
+
+    def forward(self, input_ids, position_ids, attention_mask, length, key_slots, key_ranks, kv):
+        positions = place_kv(self.cache, input_ids, length, kv)
+        return super().forward(input_ids, position_ids, positions, attention_mask, key_slots, key_ranks)
+
+
+def export_ordered(base, max_block: int, max_context: int):
+    """`torch.export` of `OrderedStep` for `base`: one row, block lengths 1 to `max_block`, caches of up to
+    `max_context` slots."""
+    from .packed_linear import packed_base
+
+    packed, block, capacity, past = packed_base(base), 4, 64, 8
+    heads, head_dim = kv_layout(base.config)
+    cache = verification_cache(base.config, capacity)
+    kv = [torch.zeros(1, heads, capacity, head_dim, dtype=base.dtype) for _ in range(2 * len(cache.layers))]
+    closed = torch.finfo(base.dtype).min
+    mask = torch.full((1, 1, block, capacity), closed, dtype=base.dtype)
+    mask[0, 0, :, :past] = 0
+    mask[0, 0, :, past:past + block] = torch.triu(torch.full((block, block), closed, dtype=base.dtype), 1)
+    args = (torch.zeros(1, block, dtype=torch.long), (past + torch.arange(block))[None], mask, torch.tensor(past),
+            *identity_key_order(block, capacity, "cpu"), kv)
+    block_dim = torch.export.Dim("block", min=1, max=max_block)
+    capacity_dim = torch.export.Dim("capacity", min=32, max=max_context)
+    order = {0: block_dim, 1: capacity_dim}
+    shapes = {"input_ids": {1: block_dim}, "position_ids": {1: block_dim},
+              "attention_mask": {2: block_dim, 3: capacity_dim}, "length": None, "key_slots": order,
+              "key_ranks": order, "kv": [{2: capacity_dim}] * len(kv)}
+    with torch.no_grad(), attention_implementation(packed, ORDERED_KERNEL_ATTENTION):
+        return torch.export.export(OrderedStep(packed, cache).eval(), args, dynamic_shapes=shapes, strict=False)
