@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,8 @@ def measure(model_path: str, questions: str, limit: int, max_new_tokens: int, th
     from hf_bpd.evaluation.bench import encode_messages, load_questions
 
     torch.set_num_threads(threads)
+    if method == "eager":  # the base as loaded: no compiled step loaded at `from_pretrained` (its packed weights)
+        os.environ["HF_BPD_OFF"] = ",".join(filter(None, [os.environ.get("HF_BPD_OFF"), "artifacts"]))
     model = BlockwiseParallelForCausalLM.from_pretrained(model_path)
     tokenizer = load_tokenizer(model_path)
     prompts = [encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}])
