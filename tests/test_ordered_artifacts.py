@@ -1,7 +1,7 @@
 """Artifacts of code only for bf16 bases on hf_bpd's kernels (`hf_bpd.runtime.artifacts`): built once per machine
 without the weights, loaded with the process's own packed weights as constants; their steps equal the in-process
 compiled step's bit for bit (tree blocks included), drafted decoding on them equals plain decoding, and weights
-changed in place are what they run on."""
+changed in place are what they run on; int8-weight bases get them too."""
 
 import pytest
 import torch
@@ -104,3 +104,23 @@ def test_weights_changed_in_place_run_on_the_artifact_with_the_new_weights(order
     assert ordered.last_generation_stats.verifier == "artifact"
     assert not torch.equal(after, before)  # the change matters, so stale weights would be caught
     assert torch.equal(after, in_process(ordered, ids, use_heads=False))
+
+
+def test_an_int8_weight_base_gets_a_code_only_artifact_too(ordered):
+    """Its artifact takes the int8 packed weights and their scales as constants (another layout, another key) and
+    decodes as its step compiled in the process does; a background worker rebuilds the layout from a bf16 copy."""
+    from hf_bpd import quantize_int8_weights
+
+    model = _head_dim_16_bpd()
+    quantize_int8_weights(model.base_lm)
+    base = model.base_lm
+    assert artifacts.supplies_constants(base)
+    assert artifacts.cached_key(base)["constants"] != artifacts.cached_key(ordered.base_lm)["constants"]
+    artifacts.build(base)
+    for seed in range(2):
+        ids = prompt_ids(seed, 5 + 4 * seed)
+        plain = model.generate(ids, compile=True, use_heads=False, **GREEDY)
+        got = model.generate(ids, compile=True, tree=(2, 2, 1), **GREEDY)
+        assert model.last_generation_stats.verifier == "artifact"
+        assert torch.equal(got, plain) and torch.equal(plain, in_process(model, ids, use_heads=False))
+    verify_runtime.discard_runners(base)

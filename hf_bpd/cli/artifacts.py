@@ -109,9 +109,9 @@ def add_parsers(sub, command) -> None:
         "$HF_BPD_CACHE/artifacts/: one artifact serves every block length up to 16 and every context length. "
         "Valid for this CPU, thread count, dtype, weights and torch version; generate(compile=True) loads it in "
         "seconds instead of compiling; batches' steps of one and of two tokens a row get graphs of their own beside it "
-        "(the batch steps; --no-batch-step: built when a batch first needs them). A bf16 base on hf_bpd's kernels "
-        "gets one of code only (a few MB; the process gives it its packed weights at load; no batch steps). --list "
-        "shows the cache, --clear empties it.")
+        "(the batch steps; --no-batch-step: built when a batch first needs them). A bf16 or int8-weight base on "
+        "hf_bpd's kernels gets one of code only (a few MB; the process gives it its packed weights at load; no batch "
+        "steps). --list shows the cache, --clear empties it.")
     p.add_argument("model", nargs="?", default=None, help="heads checkpoint directory or base model")
     p.add_argument("--threads", type=int, default=2, help="torch threads the artifact is built for (baked in)")
     _add_dtype(p)

@@ -178,9 +178,9 @@ def start_build(base, key: dict, directory: Path, graph: str = artifacts.STEP) -
             weights.mkdir(mode=0o700)
             # not `base.save_pretrained`: it would set fields of the caller's config (and print a progress bar)
             copy.deepcopy(base.config).save_pretrained(weights)
-            save_model(base, str(weights / "model.safetensors"))  # tied tensors once
+            int8 = _save_weights(base, weights / "model.safetensors")
             request = directory / REQUEST.format(graph=graph, pid=os.getpid())
-            request.write_text(json.dumps({**key, "weights_dir": weights.name}, indent=1))
+            request.write_text(json.dumps({**key, "weights_dir": weights.name, **int8}, indent=1))
             # Its own process group (Ctrl-C in a terminal reaches the caller only), but the caller's session: with
             # Linux's autogroup scheduling a new session would get an equal share of the CPU whatever its priority,
             # and the caller's decoding would slow down beside the build.
@@ -200,6 +200,26 @@ def start_build(base, key: dict, directory: Path, graph: str = artifacts.STEP) -
     thread = threading.Thread(target=save_and_start, name="hf_bpd-artifact-save")
     _WORKERS[directory] = thread
     thread.start()
+
+
+def _save_weights(base, path: Path) -> dict:
+    """Save `base`'s weights for the worker; returns what else the request must say. An int8-weight base (its artifact
+    is code only: the worker needs the layout of its constants, not their values) is saved as bf16 with its
+    `Int8WeightsConfig`, which the worker applies again."""
+    from .int8_weights import float_state_dict, has_int8_weights
+
+    if not has_int8_weights(base):
+        save_model(base, str(path))  # tied tensors once
+        return {}
+    from safetensors.torch import save_file
+
+    state, seen = {}, set()
+    for name, tensor in float_state_dict(base).items():
+        if tensor.data_ptr() not in seen:  # tied tensors once (loading ties them again)
+            seen.add(tensor.data_ptr())
+            state[name] = tensor.contiguous()
+    save_file(state, str(path), metadata={"format": "pt"})
+    return {"int8_weights": {"output_layer": bool(base.int8_weights.output_layer)}}
 
 
 def wait(directory: Path, timeout: float | None = None) -> bool:

@@ -34,6 +34,7 @@ def main(directory: Path, graph: str = artifacts.STEP, request_name: str = "", l
     request_file = directory / request_name
     request = json.loads(request_file.read_text())
     weights_name = str(request.pop("weights_dir", ""))
+    int8 = request.pop("int8_weights", None)  # an int8-weight base, saved as bf16: quantized again here
     key = request
     problem = refusal(key, weights_name, directory)
     if problem is not None:
@@ -50,6 +51,10 @@ def main(directory: Path, graph: str = artifacts.STEP, request_name: str = "", l
     try:
         dtype = getattr(torch, key["dtype"].split(".")[-1])
         base = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype).eval()
+        if int8 is not None:
+            from .int8_weights import Int8WeightsConfig, quantize_int8_weights
+
+            quantize_int8_weights(base, Int8WeightsConfig(output_layer=bool(int8.get("output_layer", True))))
         shutil.rmtree(weights, ignore_errors=True)
         if graph == artifacts.STEP:
             try:

@@ -1,10 +1,12 @@
-"""The artifact of a position-ordered bf16 base is code only (`hf_bpd.runtime.artifacts`).
+"""The artifact of a position-ordered bf16 base (int8 weights included) is code only (`hf_bpd.runtime.artifacts`).
 
 Its step runs the base's packed module tree (`packed_linear.packed_base`: linear layers on hf_bpd's packed kernel,
 attention on its ordered kernel), so the package holds no weights: the exported step's constants are every parameter
 and buffer of that tree, given at load by the process as pointers to its own packed copy. A package is a few MB,
 the process keeps one copy of the packed weights (the in-process compiled step's), and a base whose weights change
-runs on the new ones. Which constants it takes (names, dtypes, shapes), not their bytes, is in its key.
+runs on the new ones. Which constants it takes (names, dtypes, shapes), not their bytes, is in its key; so a
+background build's worker, which loads a saved copy of the base, rebuilds an int8-weight base's layout from a bf16
+copy (`background._save_weights`).
 
 The exported step takes each row's key order (`key_slots`, `key_ranks`: `hf_bpd.runtime.ordered_attention`) as
 inputs, for one row, with a dynamic block length and cache capacity; the mask and the key order span the whole
@@ -23,15 +25,12 @@ from .step import VerificationStep, kv_layout, place_kv, verification_cache
 
 
 def supplies_constants(base) -> bool:
-    """Whether `base`'s artifact is code only, its constants given by the process: position-ordered bf16 bases whose
-    linear layers and attention run on hf_bpd's kernels. Not int8-weight bases: the background build's worker loads a
-    saved copy of the base, which would come back with bf16 weights."""
-    from .int8_weights import Int8WeightLinear
+    """Whether `base`'s artifact is code only, its constants given by the process: position-ordered bf16 bases (int8
+    weights included) whose linear layers and attention run on hf_bpd's kernels."""
     from .packed_linear import packing_unsupported_reason
 
     return (uses_ordered_attention(base) and kv_layout(base.config)[1] % 16 == 0  # the attention kernel's head dims
-            and packing_unsupported_reason(base) is None
-            and not any(isinstance(module, Int8WeightLinear) for module in base.modules()))
+            and packing_unsupported_reason(base) is None)
 
 
 def constants_layout(base) -> str:
