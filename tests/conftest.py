@@ -52,10 +52,10 @@ def tiny_smollm2_vocab_base(tokenizer):
 
 # The files that take longest, first: `.ci/run`'s two workers take whole files in collection order
 # (`--dist loadfile --no-loadscope-reorder`), so with the long ones started first both workers finish together.
-LONGEST_FIRST = ("test_background.py", "test_qwen_base.py", "test_sampling.py", "test_checkpoint.py", "test_real_models.py",
-                 "test_training.py", "test_artifacts.py", "test_quiet.py", "test_cli.py", "test_compiled.py",
-                 "test_batch.py", "test_ordered_artifacts.py", "test_feature_drafter.py", "test_inlining.py",
-                 "test_batch_compiled.py")
+LONGEST_FIRST = ("test_background.py", "test_qwen_base.py", "test_sampling.py", "test_checkpoint.py",
+                 "test_real_models.py", "test_training.py", "test_artifacts.py", "test_quiet.py", "test_cli.py",
+                 "test_compiled.py", "test_batch.py", "test_ordered_artifacts.py", "test_feature_drafter.py",
+                 "test_inlining.py", "test_batch_compiled.py")
 
 
 def pytest_collection_modifyitems(items):

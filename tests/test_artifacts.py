@@ -86,7 +86,7 @@ def eager_step(base, ids, positions, mask, past: int, kv):
     """`(logits, hidden)` of the exported step run eagerly over the whole cache `kv` (written in place), `mask` (or a
     dict of masks by layer type) covering the slots the artifact attends, the slots after them closed."""
     rows, block, capacity = ids.shape[0], ids.shape[1], kv[0].shape[2]
-    cache, _ = artifacts._example(base, capacity=capacity, rows=rows)
+    cache, _ = artifacts.example_inputs(base, capacity=capacity, rows=rows)
 
     def padded(m):
         full = torch.full((rows, 1, block, capacity), torch.finfo(m.dtype).min)

@@ -46,9 +46,9 @@ from .cache_files import (ATTEMPTS, LOCK, claim_lock, distrusted, inductor_cache
                           open_lock, wait_for_lock)
 from .attention import attention_implementation, stacked_query_attention
 from .ordered_attention import uses_ordered_attention
-from .ordered_artifact import constants_layout, export_ordered, supplied_constants, supplies_constants  # noqa: F401
-from .step import VerificationStep, compile_unsupported_reason, kv_layout, place_kv, sliding_window_of, \
-    verification_cache, window_mask
+from .ordered_artifact import constants_layout, export_ordered, supplied_constants, supplies_constants
+from .step import VerificationStep, compile_unsupported_reason, example_inputs, place_kv, sliding_window_of, \
+    window_mask
 
 FORMAT = 5  # bump when the exported step or the key changes (5: keyed on the weights' exact digest)
 STEP, ONE_TOKEN, TWO_TOKENS = "step", "one_token", "two_tokens"  # the graphs: every block; 1 or 2 tokens a row
@@ -58,7 +58,7 @@ ONE_TOKEN_ROWS = 16  # the one-token batch step's example rows (inductor tunes i
 TWO_TOKENS_ROWS = 4  # the two-token batch step's (batches of 4 draft; at 16 rows a second token rarely pays)
 BATCH_EXAMPLE = {ONE_TOKEN: (1, ONE_TOKEN_ROWS), TWO_TOKENS: (2, TWO_TOKENS_ROWS)}  # (tokens a row, example rows)
 WINDOWED_FORMAT = 1  # bump when the step of sliding-window bases (its second mask input) changes
-ORDERED_FORMAT = 1  # bump when the step of position-ordered bases (code only, `_OrderedStep`) changes
+ORDERED_FORMAT = 1  # bump when a position-ordered base's step (code only: `ordered_artifact.OrderedStep`) changes
 MAX_BLOCK = 16  # block lengths one artifact serves (1..MAX_BLOCK)
 MAX_ROWS = 64  # batch rows one artifact serves (1..MAX_ROWS)
 MAX_CONTEXT = 32768
@@ -220,21 +220,11 @@ def one_token_unsupported_reason(base) -> str | None:
     return None
 
 
-def _example(base, capacity: int = 64, block: int = 4, past: int = 8, rows: int = 2):
-    heads, head_dim = kv_layout(base.config)
-    cache = verification_cache(base.config, capacity)
-    kv = [torch.zeros(rows, heads, capacity, head_dim, dtype=base.dtype) for _ in range(2 * len(cache.layers))]
-    closed = torch.finfo(base.dtype).min
-    mask = torch.zeros(rows, 1, block, past + block, dtype=base.dtype)
-    mask[:, 0, :, past:] = torch.triu(torch.full((block, block), closed, dtype=base.dtype), 1)
-    ids = torch.zeros(rows, block, dtype=torch.long)
-    return cache, (ids, (past + torch.arange(block)).repeat(rows, 1), mask, torch.tensor(past), kv)
-
-
 def export_step(base, graph: str = STEP):
     """`torch.export` of the step with dynamic batch rows, block length, cache capacity and attended length (the
     one-token batch step: one token per row, `ONE_TOKEN_ROWS` example rows, stacked query heads; the two-token batch
-    step: two tokens per row, `TWO_TOKENS_ROWS` example rows). A position-ordered base's: `_export_ordered`."""
+    step: two tokens per row, `TWO_TOKENS_ROWS` example rows). A position-ordered base's step:
+    `ordered_artifact.export_ordered`."""
     if supplies_constants(base):
         _check_graph(graph)
         if graph != STEP:
@@ -242,10 +232,10 @@ def export_step(base, graph: str = STEP):
         return export_ordered(base, MAX_BLOCK, MAX_CONTEXT)
     one_token = graph == ONE_TOKEN
     if graph == STEP:
-        cache, args = _example(base)
+        cache, args = example_inputs(base)
     else:
         width, example_rows = BATCH_EXAMPLE[graph]
-        cache, args = _example(base, block=width, rows=example_rows)
+        cache, args = example_inputs(base, block=width, rows=example_rows)
     rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
     block = torch.export.Dim("block", min=1, max=MAX_BLOCK) if graph == STEP else torch.export.Dim.STATIC
     attended = torch.export.Dim("attended", min=2, max=MAX_CONTEXT)

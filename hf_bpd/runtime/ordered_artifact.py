@@ -21,7 +21,7 @@ import torch
 
 from .attention import attention_implementation
 from .ordered_attention import ORDERED_KERNEL_ATTENTION, identity_key_order, uses_ordered_attention
-from .step import VerificationStep, kv_layout, place_kv, verification_cache
+from .step import VerificationStep, example_inputs, kv_layout, place_kv
 
 
 def supplies_constants(base) -> bool:
@@ -65,21 +65,15 @@ def export_ordered(base, max_block: int, max_context: int):
     `max_context` slots."""
     from .packed_linear import packed_base
 
-    packed, block, capacity, past = packed_base(base), 4, 64, 8
-    heads, head_dim = kv_layout(base.config)
-    cache = verification_cache(base.config, capacity)
-    kv = [torch.zeros(1, heads, capacity, head_dim, dtype=base.dtype) for _ in range(2 * len(cache.layers))]
-    closed = torch.finfo(base.dtype).min
-    mask = torch.full((1, 1, block, capacity), closed, dtype=base.dtype)
-    mask[0, 0, :, :past] = 0
-    mask[0, 0, :, past:past + block] = torch.triu(torch.full((block, block), closed, dtype=base.dtype), 1)
-    args = (torch.zeros(1, block, dtype=torch.long), (past + torch.arange(block))[None], mask, torch.tensor(past),
-            *identity_key_order(block, capacity, "cpu"), kv)
+    block, capacity = 4, 64
+    cache, (ids, positions, mask, length, kv) = example_inputs(base, capacity, block, rows=1, slots=capacity)
+    args = (ids, positions, mask, length, *identity_key_order(block, capacity, "cpu"), kv)
     block_dim = torch.export.Dim("block", min=1, max=max_block)
     capacity_dim = torch.export.Dim("capacity", min=32, max=max_context)
     order = {0: block_dim, 1: capacity_dim}
     shapes = {"input_ids": {1: block_dim}, "position_ids": {1: block_dim},
               "attention_mask": {2: block_dim, 3: capacity_dim}, "length": None, "key_slots": order,
               "key_ranks": order, "kv": [{2: capacity_dim}] * len(kv)}
+    packed = packed_base(base)
     with torch.no_grad(), attention_implementation(packed, ORDERED_KERNEL_ATTENTION):
         return torch.export.export(OrderedStep(packed, cache).eval(), args, dynamic_shapes=shapes, strict=False)

@@ -67,6 +67,21 @@ def verification_cache(config, max_cache_len: int) -> StaticCache:
     return StaticCache(config=config, max_cache_len=max_cache_len)
 
 
+def example_inputs(base, capacity: int = 64, block: int = 4, past: int = 8, rows: int = 2, slots: int | None = None):
+    """`(cache, (ids, positions, mask, length, kv))`: example inputs of an exported step, `rows` rows of a `block`-token
+    block written after `past` cached tokens into KV tensors of `capacity` slots; the mask spans `slots` key slots
+    (default: the attended `past + block`), open to the cached tokens, causal in the block, closed after it."""
+    heads, head_dim = kv_layout(base.config)
+    cache = verification_cache(base.config, capacity)
+    kv = [torch.zeros(rows, heads, capacity, head_dim, dtype=base.dtype) for _ in range(2 * len(cache.layers))]
+    closed = torch.finfo(base.dtype).min
+    mask = torch.full((rows, 1, block, slots or past + block), closed, dtype=base.dtype)
+    mask[:, 0, :, :past] = 0
+    mask[:, 0, :, past:past + block] = torch.triu(torch.full((block, block), closed, dtype=base.dtype), 1)
+    ids = torch.zeros(rows, block, dtype=torch.long)
+    return cache, (ids, (past + torch.arange(block)).repeat(rows, 1), mask, torch.tensor(past), kv)
+
+
 def place_kv(cache: StaticCache, input_ids: torch.Tensor, length: torch.Tensor, kv) -> torch.Tensor:
     """Point `cache`'s layers at the tensors `kv` (keys, values, layer after layer), writing this block at `length`
     (an exported step's cache is its inputs); returns the block's cache positions."""
