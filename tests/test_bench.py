@@ -1,5 +1,6 @@
 """`hf_bpd.bench`: prompt files, and every method on a tiny checkpoint with the real SmolLM2 tokenizer."""
 
+import copy
 import importlib.util
 import json
 
@@ -117,7 +118,8 @@ def test_bench_every_method_is_exact(loaded, tmp_path):
     methods = ["ar", "pld", "early-exit", "bpd", "bpd+ngram", "bpd+neural", "pbest", "tree", "tree+ngram"]
     report = run_bench(model, tokenizer, questions, methods, max_new_tokens=12, progress=False)
 
-    assert set(report) == {"methods", "skipped", "summary", "by_category", "samples"}
+    assert set(report) == {"methods", "skipped", "exact_reference", "summary", "by_category", "samples"}
+    assert report["exact_reference"] == "ar"  # fp32
     assert report["methods"] == ["ar", "pld", "early-exit", "bpd", "pbest", "tree"]
     # rescorers that the checkpoint does not bundle are skipped with the reason, not a crash
     assert set(report["skipped"]) == {"bpd+ngram", "bpd+neural", "tree+ngram"}
@@ -178,6 +180,34 @@ def test_a_broken_decoder_is_not_exact(loaded, tmp_path):
     assert rows["bpd"]["exact"] is True and rows["ar"]["exact"] is True
     assert report["skipped"] == {"fails": "failed: RuntimeError: boom"}
     assert "**NO**" in markdown_report(report)
+
+
+def test_half_precision_is_checked_against_the_same_dtypes_compiled_plain_decoding(loaded, tmp_path):
+    """bf16: `exact` compares each output with ar-compiled's (eager half precision rounds otherwise at near-ties, so the
+    promise is the compiled plain path's tokens); fp32: with eager ar's. Decoders that end their output differently
+    tell which one was the reference."""
+    model, tokenizer = loaded
+    questions = load_questions(write_questions(tmp_path / "q.jsonl"))[:2]
+
+    def ending(token):
+        def decoder(model, inputs, max_new_tokens):
+            ids = inputs["input_ids"]
+            return torch.cat([ids, torch.full((1, max_new_tokens), token, dtype=ids.dtype)], dim=1), None
+        return decoder
+
+    decoders = {"ar": ending(1), "ar-compiled": ending(2), "default": ending(2), "other": ending(3)}
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    for base, reference, exact in (
+            (half, "ar-compiled", {"ar": False, "ar-compiled": True, "default": True, "other": False}),
+            (model, "ar", {"ar": True, "ar-compiled": False, "default": False, "other": False})):
+        report = run_bench(base, tokenizer, questions, ["ar-compiled", "default", "other"], decoders, max_new_tokens=4,
+                           progress=False)
+        assert report["exact_reference"] == reference
+        assert {r["method"]: r["exact"] for r in report["summary"]} == exact
+        text = markdown_report(report)
+        assert ("no (eager)" in text and "equals ar-compiled's" in text) == (reference == "ar-compiled")
+    report = run_bench(half, tokenizer, questions, ["default"], decoders, max_new_tokens=4, progress=False)
+    assert report["exact_reference"] == "ar"  # without compiled plain decoding, eager ar's is all there is
 
 
 def test_multi_turn_continues_the_reference_conversation(loaded, tmp_path):

@@ -193,7 +193,8 @@ def add_parsers(sub, command) -> None:
         "Runs decoding methods on every prompt, alternating their order per prompt, against plain "
         "greedy decoding (ar) in the same run, and prints a Markdown table per method (and per "
         "category): tokens/s, speed-up vs ar, block efficiency (tokens per serial call), mean "
-        "accepted draft tokens, draft time share, and whether every output is token-identical to ar. "
+        "accepted draft tokens, draft time share, and whether every output is token-identical to ar "
+        "(to ar-compiled, the same dtype's compiled plain decoding, for bf16/fp16 and int8 weights). "
         "Methods that do not apply (no heads, no bundled rescorer, architecture refused by "
         "transformers) are listed as skipped. --output writes every per-prompt figure as JSON.")
     _add_common(bench)
