@@ -30,17 +30,20 @@ def _status_mb(field: str) -> float:
     raise OSError(f"no {field} in /proc/self/status: this benchmark needs Linux")
 
 
-def measure(model_path: str, questions: str, limit: int, max_new_tokens: int, threads: int, method: str) -> dict:
-    """This process's resident memory after loading and its peak while `method` decodes the prompts."""
+def measure(model_path: str, questions: str, limit: int, max_new_tokens: int, threads: int, method: str,
+            quantize: str | None = None) -> dict:
+    """This process's resident memory after loading and its peak while `method` decodes the prompts (`quantize="int8"`:
+    the base with int8 weights, `hf_bpd.Int8WeightsConfig`, in every process)."""
     import torch
 
-    from hf_bpd import BlockwiseParallelForCausalLM, load_tokenizer
+    from hf_bpd import BlockwiseParallelForCausalLM, Int8WeightsConfig, load_tokenizer
     from hf_bpd.evaluation.bench import encode_messages, load_questions
 
     torch.set_num_threads(threads)
     if method == "eager":  # the base as loaded: no compiled step loaded at `from_pretrained` (its packed weights)
         os.environ["HF_BPD_OFF"] = ",".join(filter(None, [os.environ.get("HF_BPD_OFF"), "artifacts"]))
-    model = BlockwiseParallelForCausalLM.from_pretrained(model_path)
+    quantized = dict(dtype=torch.bfloat16, quantization_config=Int8WeightsConfig()) if quantize == "int8" else {}
+    model = BlockwiseParallelForCausalLM.from_pretrained(model_path, **quantized)
     tokenizer = load_tokenizer(model_path)
     prompts = [encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}])
                for q in load_questions(questions)[:limit]]
@@ -56,7 +59,8 @@ def measure(model_path: str, questions: str, limit: int, max_new_tokens: int, th
         else:
             out = model.generate(**inputs, compile="wait", **settings)
         new_tokens += out.shape[1] - inputs["input_ids"].shape[1]
-    return {"method": method, "dtype": str(model.base_lm.dtype).removeprefix("torch."), "loaded_mb": loaded,
+    return {"method": method, "dtype": str(model.base_lm.dtype).removeprefix("torch."), "quantize": quantize,
+            "loaded_mb": loaded,
             "peak_mb": _status_mb("VmHWM"), "new_tokens": int(new_tokens)}
 
 
@@ -67,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights (bf16 activations)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     parser.add_argument("--in-process", action="store_true",
                         help="measure the one method of --methods in this process (what each child process runs)")
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.in_process:
         if len(methods) != 1:
             parser.error("--in-process measures one method: give one to --methods")
-        print(json.dumps(measure(*common, methods[0])))
+        print(json.dumps(measure(*common, methods[0], args.quantize)))
         return 0
     from hf_bpd.evaluation.bench import machine_info, print_figures
 
@@ -87,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     for method in methods:
         done = subprocess.run([sys.executable, __file__, "--model", args.model, "--questions", args.questions,
                                "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
-                               "--threads", str(args.threads), "--methods", method, "--in-process"],
+                               "--threads", str(args.threads), "--methods", method, "--in-process",
+                               *(["--quantize", args.quantize] if args.quantize else [])],
                               capture_output=True, text=True)
         if done.returncode != 0:
             print(done.stderr[-2000:], file=sys.stderr)

@@ -140,14 +140,12 @@ class FeatureDrafter(nn.Module):
         if self.draft_vocab is None and weight.is_floating_point():
             return weight
         if self.training or torch.is_grad_enabled():
-            rows = float_weight(layer)
-            return rows if self.draft_vocab is None else rows[self.draft_vocab]
+            return float_weight(layer, self.draft_vocab)
         key = (weight.data_ptr(), weight._version, weight.device, weight.dtype,
                None if self.draft_vocab is None else self.draft_vocab.data_ptr())
         cached = self._frozen.get("rows")
         if cached is None or cached[0] != key:  # keyed by the stored weight: an int8 layer is dequantized once
-            rows = float_weight(layer)
-            cached = self._frozen["rows"] = (key, rows if self.draft_vocab is None else rows[self.draft_vocab])
+            cached = self._frozen["rows"] = (key, float_weight(layer, self.draft_vocab))
         return cached[1]
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, position_ids: torch.Tensor,

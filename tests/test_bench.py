@@ -592,7 +592,10 @@ def test_peak_memory_script_smoke(checkpoint, tmp_path, capsys):
     assert module.main([*args, "--methods", "eager", "--in-process"]) == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["method"] == "eager" and row["new_tokens"] == 4
-    assert row["peak_mb"] >= row["loaded_mb"] * 0.9 > 0
+    assert row["peak_mb"] >= row["loaded_mb"] * 0.9 > 0 and row["quantize"] is None and row["dtype"] == "float32"
+    assert module.main([*args, "--methods", "eager", "--in-process", "--quantize", "int8"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["quantize"] == "int8" and row["dtype"] == "bfloat16" and row["new_tokens"] == 4
     with pytest.raises(SystemExit):
         module.main([*args, "--methods", "eager,turbo"])
     assert "unknown method(s) turbo" in capsys.readouterr().err

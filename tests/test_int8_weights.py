@@ -58,6 +58,19 @@ def test_int8_layers_hold_int8_rows_and_compute_close_to_the_bf16_layer():
         layer.weight_scale.float().max()))
 
 
+def test_dequantized_rows_are_the_whole_expressions_rows_block_by_block():
+    """Dequantized a block of rows at a time (no fp32 copy of a whole output layer), and only the rows asked for:
+    every value equals the whole-matrix expression's, across a block boundary."""
+    from hf_bpd.runtime.int8_weights import DEQUANTIZE_ROWS, float_weight
+
+    torch.manual_seed(0)
+    layer = Int8WeightLinear.from_linear(nn.Linear(32, DEQUANTIZE_ROWS + 40, bias=False).to(torch.bfloat16))
+    whole = (layer.weight.float() * layer.weight_scale.float()[:, None]).to(torch.bfloat16)
+    assert torch.equal(layer.dequantized_weight(), whole) and torch.equal(float_weight(layer), whole)
+    rows = torch.tensor([DEQUANTIZE_ROWS + 39, 0, DEQUANTIZE_ROWS, 7])
+    assert torch.equal(layer.dequantized_weight(rows), whole[rows]) and torch.equal(float_weight(layer, rows), whole[rows])
+
+
 def test_quantizing_converts_the_decoder_and_output_layers_and_refuses_fp32():
     base = int8_sized_base()
     embeddings = base.get_input_embeddings().weight

@@ -30,6 +30,7 @@ from torch import nn
 from ..errors import BPDConfigError
 
 INT8_ACTIVATION_DTYPE = torch.bfloat16  # inductor's weight-only int8 templates take bf16 activations
+DEQUANTIZE_ROWS = 4096  # rows dequantized at a time (`Int8WeightLinear.dequantized_weight`)
 
 
 @dataclass
@@ -66,9 +67,19 @@ class Int8WeightLinear(nn.Module):
         y = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale
         return y if self.bias is None else y + self.bias
 
-    def dequantized_weight(self) -> torch.Tensor:
-        """The weight the layer computes with, in bf16 (as a plain linear layer would hold it)."""
-        return (self.weight.to(torch.float32) * self.weight_scale.float()[:, None]).to(INT8_ACTIVATION_DTYPE)
+    def dequantized_weight(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight the layer computes with, in bf16 (as a plain linear layer would hold it); with `rows` (indices)
+        only those rows. Converted a block of rows at a time into the result, so a 150k-row output layer needs no
+        fp32 copy of itself (the values are those of the whole-matrix expression, element by element)."""
+        weight, scale = self.weight, self.weight_scale
+        if rows is not None:
+            rows = rows.to(weight.device)
+            weight, scale = weight.index_select(0, rows), scale.index_select(0, rows)
+        out = torch.empty(weight.shape, dtype=INT8_ACTIVATION_DTYPE, device=weight.device)
+        for start in range(0, weight.shape[0], DEQUANTIZE_ROWS):
+            block = slice(start, start + DEQUANTIZE_ROWS)
+            out[block] = (weight[block].to(torch.float32) * scale[block].float()[:, None]).to(INT8_ACTIVATION_DTYPE)
+        return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -108,9 +119,12 @@ def has_int8_weights(base) -> bool:
     return getattr(base, "int8_weights", None) is not None
 
 
-def float_weight(layer: nn.Module) -> torch.Tensor:
-    """`layer.weight` as the floating-point values it computes with (an int8 layer's dequantized)."""
-    return layer.dequantized_weight() if isinstance(layer, Int8WeightLinear) else layer.weight
+def float_weight(layer: nn.Module, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """`layer.weight` as the floating-point values it computes with (an int8 layer's dequantized); with `rows`
+    (indices) only those rows (an int8 layer dequantizes only them)."""
+    if isinstance(layer, Int8WeightLinear):
+        return layer.dequantized_weight(rows)
+    return layer.weight if rows is None else layer.weight[rows.to(layer.weight.device)]
 
 
 def float_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
