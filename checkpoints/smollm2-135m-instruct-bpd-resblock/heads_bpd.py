@@ -199,9 +199,12 @@ class DraftHeads(nn.Module):
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device,
                *((vocab.data_ptr(), vocab._version) if vocab is not None else ()))
         if self._projection_cache is None or self._projection_cache[0] != key:
-            with torch.no_grad():  # an int8 layer's rows dequantized (the values the layer computes with)
-                rows = layer.dequantized_weight() if int8 else weight
-                rows = rows if vocab is None else rows.index_select(0, vocab.to(weight.device))
+            # an int8 layer's rows dequantized (the values the layer computes with), only the draft vocabulary's
+            with torch.no_grad():
+                if int8:
+                    rows = layer.dequantized_weight(vocab)
+                else:
+                    rows = weight if vocab is None else weight.index_select(0, vocab.to(weight.device))
             self._projection_cache = (key, rows)
         return self._projection_cache[1]
 
