@@ -208,6 +208,19 @@ def test_half_precision_is_checked_against_the_same_dtypes_compiled_plain_decodi
         assert ("no (eager)" in text and "equals ar-compiled's" in text) == (reference == "ar-compiled")
     report = run_bench(half, tokenizer, questions, ["default"], decoders, max_new_tokens=4, progress=False)
     assert report["exact_reference"] == "ar"  # without compiled plain decoding, eager ar's is all there is
+    calls = []
+
+    def fails_later(model, inputs, max_new_tokens):  # the warm-up and the first prompt pass, then it fails
+        calls.append(1)
+        if len(calls) > 2:
+            raise RuntimeError("gone")
+        return ending(2)(model, inputs, max_new_tokens)
+
+    report = run_bench(half, tokenizer, questions, ["ar-compiled", "default", "other"],
+                       {**decoders, "ar-compiled": fails_later}, max_new_tokens=4, progress=False)
+    assert report["exact_reference"] == "ar" and "ar-compiled" in report["skipped"]  # every sample checked against ar
+    for rows in (report["summary"], report["by_category"]):
+        assert {r["method"]: r["exact"] for r in rows if r["method"] != "other"} == {"ar": True, "default": False}
 
 
 def test_multi_turn_continues_the_reference_conversation(loaded, tmp_path):

@@ -68,7 +68,8 @@ def test_dequantized_rows_are_the_whole_expressions_rows_block_by_block():
     whole = (layer.weight.float() * layer.weight_scale.float()[:, None]).to(torch.bfloat16)
     assert torch.equal(layer.dequantized_weight(), whole) and torch.equal(float_weight(layer), whole)
     rows = torch.tensor([DEQUANTIZE_ROWS + 39, 0, DEQUANTIZE_ROWS, 7])
-    assert torch.equal(layer.dequantized_weight(rows), whole[rows]) and torch.equal(float_weight(layer, rows), whole[rows])
+    assert torch.equal(layer.dequantized_weight(rows), whole[rows])
+    assert torch.equal(float_weight(layer, rows), whole[rows])
 
 
 def test_quantizing_converts_the_decoder_and_output_layers_and_refuses_fp32():

@@ -332,14 +332,14 @@ def run_bench(model, tokenizer, questions: Sequence[dict], methods: Sequence[str
     bar.close()
     samples = [s for s in samples if s["method"] not in skipped]
     ran = [m for m in methods if m not in skipped]
-    categories = sorted({s["category"] for s in samples})
-    by_category = [row for c in categories
-                   for row in summarize_samples([s for s in samples if s["category"] == c], ran, c)]
     if checked_against in skipped:  # it failed part way: every sample is checked against ar instead
         checked_against = REFERENCE
         outputs = {(s["id"], s["turn"]): s["output_ids"] for s in samples if s["method"] == REFERENCE}
         for s in samples:
             s["exact"] = s["output_ids"] == outputs[s["id"], s["turn"]]
+    categories = sorted({s["category"] for s in samples})
+    by_category = [row for c in categories
+                   for row in summarize_samples([s for s in samples if s["category"] == c], ran, c)]
     return {
         "methods": ran,
         "skipped": skipped,
@@ -380,8 +380,8 @@ def markdown_report(report: dict) -> str:
     reference = report.get("exact_reference", REFERENCE)
     lines = [header] + [row(r, r["method"]) for r in report["summary"]]
     if reference != REFERENCE:
-        lines += ["", f"exact: the output equals {reference}'s, the same dtype's compiled plain decoding (the reference "
-                      "for half precision)"]
+        lines += ["", f"exact: the output equals {reference}'s, the same dtype's compiled plain decoding "
+                      "(the reference for half precision)"]
     categories = sorted({r["category"] for r in report["by_category"]})
     if len(categories) > 1:
         lines += ["", "Per category:", "", header.replace("| method |", "| category / method |")]
