@@ -32,6 +32,16 @@ def tiny_base(seed: int = 0):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+def precompiled_headers() -> set:
+    """The precompiled headers (`.gch`) in torch's own folder for them (outside any cache directory of ours)."""
+    from torch._inductor import codecache
+
+    return set(Path(codecache._HEADER_DIR).glob("*.gch"))
+
+
+NEW_HEADERS = []  # the precompiled headers that appeared while `cli_build` built its artifacts
+
+
 def saved_base(cache: Path):
     """A fresh copy of the module's tiny base, loaded from where `cli_build` saved it (its artifact's key)."""
     return AutoModelForCausalLM.from_pretrained(cache / "tiny").eval()
@@ -50,11 +60,13 @@ def cli_build(tmp_path_factory):
     threads = torch.get_num_threads()
     tiny_base().save_pretrained(cache / "tiny")
     printed = []
+    headers = precompiled_headers()
     for flags in (["--no-batch-step"], []):
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             assert main(["compile", str(cache / "tiny"), "--threads", "1", *flags]) == 0
         printed.append((out.getvalue(), err.getvalue()))
+    NEW_HEADERS.extend(precompiled_headers() - headers)
     yield cache, printed
     torch.set_num_threads(threads)
     patch.undo()
@@ -244,6 +256,11 @@ def test_a_second_builder_waits_for_the_first_and_builds_nothing(built, tmp_path
     waiter.join(timeout=60)
     assert result == [directory / artifacts.PACKAGE]
     assert json.loads((directory / "key.json").read_text()) == json.loads((source / "key.json").read_text())
+
+
+def test_building_an_artifact_leaves_no_precompiled_header(built):
+    """Without `inlining.NO_PRECOMPILED_HEADERS` each build wrote two new ~150 MB headers that nothing reused."""
+    assert not NEW_HEADERS, f"{len(NEW_HEADERS)} new precompiled headers: {sorted(map(str, NEW_HEADERS))}"
 
 
 def test_compile_command_lists_and_clears(built, capsys):
