@@ -36,9 +36,9 @@ def autotune_off() -> bool:
     return os.environ.get("TORCHINDUCTOR_MAX_AUTOTUNE") == "0"
 
 
-# No precompiled headers: torch 2.13 keys each one by the whole compile command, which names the kernel's own file,
-# so every C++ compile wrote a new ~150 MB `.gch` under `/tmp/torchinductor_$USER/precompiled_headers` that no later
-# compile reused (tens of GB after a few hundred builds; docs/reliability.md, "The cache and what is trusted").
+# No precompiled headers: torch 2.13 keys each one by the whole compile command (which differs from build to build),
+# so every artifact build wrote two new ~150 MB `.gch` under `/tmp/torchinductor_$USER/precompiled_headers` that no
+# later build reused (tens of GB after a few hundred builds; docs/reliability.md, "The cache and what is trusted").
 NO_PRECOMPILED_HEADERS = {"cpp_cache_precompile_headers": False, "aot_inductor.precompile_headers": False}
 INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": not autotune_off(), "max_autotune_gemm_backends": "CPP,ATEN",
                     **NO_PRECOMPILED_HEADERS}
