@@ -19,9 +19,9 @@ pytestmark = pytest.mark.autotune  # compiled as users compile (see tests/confte
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path / "cache"))
-    inlining.inlining_compiler.cache_clear()
+    inlining.wrapper_in.cache_clear()
     yield tmp_path
-    inlining.inlining_compiler.cache_clear()
+    inlining.wrapper_in.cache_clear()
 
 
 def gcc_here() -> bool:
@@ -45,10 +45,21 @@ def test_the_wrapper_runs_gcc_with_the_inlining_flags(fresh):
     assert inlining.compiler_options() == {"cpp.cxx": (wrapper,)} and os.path.isfile(wrapper)
 
 
+@pytest.mark.skipif(not gcc_here(), reason="inductor's compiler here is not GCC")
+def test_the_wrapper_follows_the_cache_in_use(fresh, monkeypatch):
+    """A process that used another cache for a while (`$HF_BPD_CACHE` set for one run, as tests do) goes back to the
+    wrapper of the cache in use: its path is in inductor's cache keys, and native code runs from that cache only."""
+    first = inlining.compiler_options()["cpp.cxx"][0]
+    monkeypatch.setenv("HF_BPD_CACHE", str(fresh / "other"))
+    assert inlining.compiler_options()["cpp.cxx"][0].startswith(str(fresh / "other" / "toolchain"))
+    monkeypatch.setenv("HF_BPD_CACHE", str(fresh / "cache"))
+    assert inlining.compiler_options()["cpp.cxx"][0] == first
+
+
 def test_no_gcc_or_no_cache_keeps_the_default_compiler(fresh, monkeypatch):
     monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: "clang++")
     assert inlining.inlining_compiler() is None and inlining.compiler_options() == {}
-    inlining.inlining_compiler.cache_clear()
+    inlining.wrapper_in.cache_clear()
     monkeypatch.undo()
     blocked = fresh / "not-a-folder"
     blocked.write_text("")

@@ -24,6 +24,7 @@ import os
 import shlex
 import stat
 import subprocess
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +63,27 @@ INLINE_FLAGS = ("--param", "max-inline-insns-single=2000", "--param", "large-sta
 WRAPPER_NAME = "hf_bpd-g++"  # inductor recognises GCC by "g++" in the compiler's name
 
 
-@functools.cache
 def inlining_compiler() -> str | None:
-    """The path of the wrapper around inductor's GCC that adds `INLINE_FLAGS`, or None where it does not apply."""
+    """The path of the wrapper around inductor's GCC that adds `INLINE_FLAGS` in the cache now in use, or None where it
+    does not apply. A process whose `$HF_BPD_CACHE` changes gets the new cache's wrapper: native code runs only from
+    the cache in use, and the path is part of inductor's cache keys (an old path misses every compile cached since)."""
+    from ..hub.locate import cache_dir
+
+    return wrapper_in(cache_dir())
+
+
+@functools.cache
+def wrapper_in(cache: Path) -> str | None:
+    """`inlining_compiler` for the cache folder `cache`, written once per process and folder."""
     try:
         from torch._inductor import cpp_builder
 
         compiler = cpp_builder.get_cpp_compiler()
         if not cpp_builder._is_gcc(compiler):
             return None
-        from ..hub.locate import cache_dir, trusted
+        from ..hub.locate import trusted
 
-        folder = cache_dir() / "toolchain"
+        folder = cache / "toolchain"
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = trusted(folder) / WRAPPER_NAME
         script = f"#!/bin/sh\nexec {shlex.quote(compiler)} \"$@\" {' '.join(INLINE_FLAGS)}\n"
@@ -94,6 +104,6 @@ def compiler_options() -> dict:
     """inductor config entries for the compiled step: `{"cpp.cxx": (wrapper,)}`, or {} (see `inlining_compiler`)."""
     wrapper = inlining_compiler()
     if wrapper and not os.path.isfile(wrapper):  # the cache was cleaned while this process ran: write it again
-        inlining_compiler.cache_clear()
+        wrapper_in.cache_clear()
         wrapper = inlining_compiler()
     return {"cpp.cxx": (wrapper,)} if wrapper else {}
