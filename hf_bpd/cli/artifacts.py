@@ -111,7 +111,8 @@ def add_parsers(sub, command) -> None:
         "seconds instead of compiling; batches' steps of one and of two tokens a row get graphs of their own beside it "
         "(the batch steps; --no-batch-step: built when a batch first needs them). A bf16 or int8-weight base on "
         "hf_bpd's kernels gets one of code only (a few MB; the process gives it its packed weights at load; no batch "
-        "steps). --list shows the cache, --clear empties it.")
+        "steps); so does a base of over 2 GiB of weights (an fp32 1.5B; given its own, unpacked, at load). --list "
+        "shows the cache, --clear empties it.")
     p.add_argument("model", nargs="?", default=None, help="heads checkpoint directory or base model")
     p.add_argument("--threads", type=int, default=2, help="torch threads the artifact is built for (baked in)")
     _add_dtype(p)

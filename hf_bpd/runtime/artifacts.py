@@ -16,7 +16,9 @@ step takes the sliding layers' mask as an input of its own (`_WindowedStep`). do
 their costs.
 
 A position-ordered bf16 base on hf_bpd's kernels gets an artifact of code only, its constants (the packed weights)
-given at load by the process (`hf_bpd.runtime.ordered_artifact`).
+given at load by the process (`hf_bpd.runtime.ordered_artifact`). So does any base whose weights exceed
+`MAX_FROZEN_WEIGHTS` (an fp32 1.5B: 6 GB): built without freezing, given the base's own tensors at load, so neither the
+disk nor the memory holds its weights twice.
 
 An artifact is valid for what it was built from, all in its key: the base's weights (`weights.digest`: every byte;
 for an artifact of code only, the layout of the constants it is given, and the kernels' build),
@@ -62,6 +64,10 @@ ORDERED_FORMAT = 1  # bump when a position-ordered base's step (code only: `orde
 MAX_BLOCK = 16  # block lengths one artifact serves (1..MAX_BLOCK)
 MAX_ROWS = 64  # batch rows one artifact serves (1..MAX_ROWS)
 MAX_CONTEXT = 32768
+MAX_FROZEN_WEIGHTS = 2 ** 31  # bytes of weights an artifact holds (frozen into its package); larger: code only
+# A code-only artifact of a base off the kernels: unfrozen, its GEMMs ATen's on the process's weights as they lie
+# (nothing prepacked, nothing to autotune), its constants left out of the package.
+UNFROZEN_OPTIONS = {"freezing": False, "max_autotune": False, "aot_inductor.package_constants_in_so": False}
 PACKAGE = "step.pt2"
 FAILED = "build.failed"  # the last build's error (a background build is not started again while it is there)
 DESCRIPTION = {STEP: "the compiled step", ONE_TOKEN: "the compiled one-token batch step",  # in log lines
@@ -134,6 +140,24 @@ def unsupported_reason(base) -> str | None:
 _PROVENANCE = ("architectures", "_name_or_path", "name_or_path", "transformers_version", "_commit_hash")
 
 
+def weight_bytes(base) -> int:
+    """Bytes of `base`'s parameters and buffers (tied ones once)."""
+    return sum(t.numel() * t.element_size() for t in [*base.parameters(), *base.buffers()])
+
+
+def weights_supplied(base) -> bool:
+    """Whether `base`'s artifact is code only, its weights given by the process at load: position-ordered bases on
+    hf_bpd's kernels (`supplies_constants`: their packed weights) and bases over `MAX_FROZEN_WEIGHTS` (their own)."""
+    return supplies_constants(base) or weight_bytes(base) > MAX_FROZEN_WEIGHTS
+
+
+def own_constants(base) -> dict[str, torch.Tensor]:
+    """The constants an unfrozen code-only artifact runs on: `base`'s parameters and buffers by the names the exported
+    step gives them."""
+    tensors = [*base.named_parameters(remove_duplicate=False), *base.named_buffers(remove_duplicate=False)]
+    return {f"base.{name}": t for name, t in tensors if t is not None}
+
+
 def artifact_key(base, threads: int | None = None) -> dict:
     """Everything an artifact's validity depends on (see the module docstring)."""
     import transformers
@@ -145,8 +169,8 @@ def artifact_key(base, threads: int | None = None) -> dict:
     # the config's values, without the fields that only record where it came from (`save_pretrained` sets some)
     config = {k: v for k, v in base.config.to_dict().items() if k not in _PROVENANCE}
     config = json.dumps(config, sort_keys=True, default=str)
-    supplied = supplies_constants(base)
-    if supplied:
+    ordered, supplied = supplies_constants(base), weights_supplied(base)
+    if ordered:
         from .kernels import kernel_file
     return {"format": FORMAT, "weights": "supplied" if supplied else weights.digest(base), "dtype": str(base.dtype),
             "config": hashlib.sha256(config.encode()).hexdigest()[:16], "torch": torch.__version__,
@@ -159,9 +183,10 @@ def artifact_key(base, threads: int | None = None) -> dict:
             **({"autotune": False} if autotune_off() else {}),
             # sliding-window bases: the step takes the sliding layers' mask as an input of its own
             **({"windowed": WINDOWED_FORMAT} if sliding_window_of(base) is not None else {}),
-            # code only: the constants it is given, and the kernels it calls (their library's name hashes the build)
-            **({"ordered": ORDERED_FORMAT, "constants": constants_layout(base), "kernels": kernel_file().name}
-               if supplied else {})}
+            # code only: the layout of the constants it is given; an ordered base's also the kernels it calls (their
+            # library's name hashes the build)
+            **({"constants": constants_layout(base)} if supplied else {}),
+            **({"ordered": ORDERED_FORMAT, "kernels": kernel_file().name} if ordered else {})}
 
 
 def key_dir(key: dict) -> Path:
@@ -292,8 +317,10 @@ def build(base, threads: int | None = None, log=None, key: dict | None = None, g
             log(f"building {DESCRIPTION[graph]} for this machine ({key['cpu']}, {key['threads']} threads) ...")
         exported = export_step(base, graph)
         options = {**INDUCTOR_OPTIONS, **compiler_options(), "cpp.threads": key["threads"]}
-        if "constants" in key:  # code only: built as the in-process ordered step is, its constants given at load
+        if "ordered" in key:  # code only: built as the in-process ordered step is, its constants given at load
             options.update({**ORDERED_OPTIONS, "aot_inductor.package_constants_in_so": False})
+        elif "constants" in key:  # code only, the base's own weights given at load
+            options.update(UNFROZEN_OPTIONS)
         partial = directory / f".partial-{os.getpid()}-{package.name}"
         block = batch_step_block() if graph != STEP else None
         with torch.no_grad(), prefetching_gemm_template(), register_block(block), quiet_compilation(), \
@@ -328,11 +355,12 @@ class Artifact:
     """A loaded artifact: `(logits, hidden) = artifact(input_ids, position_ids, attention_mask, length, kv)`. A
     sliding-window base's `attention_mask` is its full layers' mask (the sliding layers' is derived from it, slot `i`
     holding position `i`: `window_mask`) or a dict of both (`"full_attention"`, `"sliding_attention"`: batches).
-    An artifact of code only is given its `constants` (kept alive here: the package holds pointers to them) and takes
-    each row's key order: `artifact(..., length, kv, order=(key_slots, key_ranks))`."""
+    An artifact of code only is given its `constants` (kept alive here: the package holds pointers to them); an
+    `ordered` one takes each row's key order: `artifact(..., length, kv, order=(key_slots, key_ranks))`."""
 
-    def __init__(self, path: Path, window: int | None = None, constants: dict[str, torch.Tensor] | None = None):
-        self.path, self.window, self.constants = path, window, constants
+    def __init__(self, path: Path, window: int | None = None, constants: dict[str, torch.Tensor] | None = None,
+                 ordered: bool = False):
+        self.path, self.window, self.constants, self.ordered = path, window, constants, ordered
         self.model = torch._inductor.aoti_load_package(str(path))
         if constants is not None:
             names = self.model.get_constant_fqns()
@@ -344,7 +372,7 @@ class Artifact:
                                       user_managed=True)
 
     def __call__(self, input_ids, position_ids, attention_mask, length, kv, order=None):
-        if self.constants is not None:
+        if self.ordered:
             return self.model(input_ids, position_ids, attention_mask, length, *order, kv)
         if self.window is None:
             return self.model(input_ids, position_ids, attention_mask, length, kv)
@@ -388,8 +416,9 @@ def load(base, threads: int | None = None, again: bool = False, graph: str = STE
         key = cached_key(base, threads)
         directory = key_dir(key)
         if directory.is_dir() and not distrusted(directory) and valid(directory, key, graph):
-            constants = supplied_constants(base) if "constants" in key else None
-            artifact = Artifact(graph_files(directory, graph)[0], sliding_window_of(base), constants)
+            ordered = "ordered" in key
+            constants = supplied_constants(base) if ordered else own_constants(base) if "constants" in key else None
+            artifact = Artifact(graph_files(directory, graph)[0], sliding_window_of(base), constants, ordered)
     loaded[slot] = artifact
     return artifact
 
