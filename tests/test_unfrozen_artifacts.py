@@ -1,6 +1,9 @@
 """Code-only artifacts of bases too large to hold twice (`artifacts.MAX_FROZEN_WEIGHTS`, here lowered to 0 so a tiny
-fp32 base gets one): built without freezing and without the weights, loaded with the base's own tensors as constants.
-Decoding on them equals the base's eager greedy `generate()`, and weights changed in place are what they run on."""
+fp32 base gets one): built without freezing and without the weights, their linear layers oneDNN's, loaded with the
+base's own tensors as constants (`hf_bpd.runtime.unfrozen_artifact`). Decoding on them equals the base's eager greedy
+`generate()`, and weights changed in place are what they run on."""
+
+import zipfile
 
 import pytest
 import torch
@@ -42,10 +45,15 @@ def test_the_artifact_holds_no_weights_and_runs_on_the_bases_own(unfrozen):
     key = artifacts.cached_key(base)
     assert artifacts.weights_supplied(base) and not artifacts.supplies_constants(base)
     assert key["weights"] == "supplied" and "constants" in key and "ordered" not in key
+    assert key["unfrozen"] == artifacts.UNFROZEN_FORMAT
     package = artifacts.build(base)
     record = artifacts.graph_files(package.parent)[1].read_text()
     assert '"weights": "supplied"' in record
     assert package.stat().st_size < artifacts.weight_bytes(base)  # a frozen package would hold all 6 MB
+    if torch.backends.mkldnn.is_available():  # its linear layers are oneDNN's, on the unpacked weights
+        with zipfile.ZipFile(package) as files:
+            wrapper = [files.read(n).decode() for n in files.namelist() if n.endswith(".wrapper.cpp")]
+        assert wrapper and "aoti_torch_cpu__linear_pointwise" in wrapper[0]
     artifact = artifacts.load(base, again=True)
     own = artifacts.own_constants(base)
     names = artifact.model.get_constant_fqns()

@@ -49,6 +49,7 @@ from .cache_files import (ATTEMPTS, LOCK, claim_lock, distrusted, inductor_cache
 from .attention import attention_implementation, stacked_query_attention
 from .ordered_attention import uses_ordered_attention
 from .ordered_artifact import constants_layout, export_ordered, supplied_constants, supplies_constants
+from .unfrozen_artifact import UNFROZEN_FORMAT, UNFROZEN_OPTIONS, onednn_linears, own_constants, weight_bytes
 from .step import VerificationStep, compile_unsupported_reason, example_inputs, place_kv, sliding_window_of, \
     window_mask
 
@@ -65,9 +66,6 @@ MAX_BLOCK = 16  # block lengths one artifact serves (1..MAX_BLOCK)
 MAX_ROWS = 64  # batch rows one artifact serves (1..MAX_ROWS)
 MAX_CONTEXT = 32768
 MAX_FROZEN_WEIGHTS = 2 ** 31  # bytes of weights an artifact holds (frozen into its package); larger: code only
-# A code-only artifact of a base off the kernels: unfrozen, its GEMMs ATen's on the process's weights as they lie
-# (nothing prepacked, nothing to autotune), its constants left out of the package.
-UNFROZEN_OPTIONS = {"freezing": False, "max_autotune": False, "aot_inductor.package_constants_in_so": False}
 PACKAGE = "step.pt2"
 FAILED = "build.failed"  # the last build's error (a background build is not started again while it is there)
 DESCRIPTION = {STEP: "the compiled step", ONE_TOKEN: "the compiled one-token batch step",  # in log lines
@@ -140,22 +138,10 @@ def unsupported_reason(base) -> str | None:
 _PROVENANCE = ("architectures", "_name_or_path", "name_or_path", "transformers_version", "_commit_hash")
 
 
-def weight_bytes(base) -> int:
-    """Bytes of `base`'s parameters and buffers (tied ones once)."""
-    return sum(t.numel() * t.element_size() for t in [*base.parameters(), *base.buffers()])
-
-
 def weights_supplied(base) -> bool:
     """Whether `base`'s artifact is code only, its weights given by the process at load: position-ordered bases on
     hf_bpd's kernels (`supplies_constants`: their packed weights) and bases over `MAX_FROZEN_WEIGHTS` (their own)."""
     return supplies_constants(base) or weight_bytes(base) > MAX_FROZEN_WEIGHTS
-
-
-def own_constants(base) -> dict[str, torch.Tensor]:
-    """The constants an unfrozen code-only artifact runs on: `base`'s parameters and buffers by the names the exported
-    step gives them."""
-    tensors = [*base.named_parameters(remove_duplicate=False), *base.named_buffers(remove_duplicate=False)]
-    return {f"base.{name}": t for name, t in tensors if t is not None}
 
 
 def artifact_key(base, threads: int | None = None) -> dict:
@@ -186,6 +172,7 @@ def artifact_key(base, threads: int | None = None) -> dict:
             # code only: the layout of the constants it is given; an ordered base's also the kernels it calls (their
             # library's name hashes the build)
             **({"constants": constants_layout(base)} if supplied else {}),
+            **({"unfrozen": UNFROZEN_FORMAT} if supplied and not ordered else {}),
             **({"ordered": ORDERED_FORMAT, "kernels": kernel_file().name} if ordered else {})}
 
 
@@ -273,7 +260,8 @@ def export_step(base, graph: str = STEP):
         step, args, shapes = _WindowedStep, args[:3] + (args[2].clone(),) + args[3:], {**shapes, "sliding_mask": mask}
     attention = ONE_TOKEN_ATTENTION_NAME if one_token else ATTENTION_NAME
     with torch.no_grad(), attention_implementation(base, attention):
-        return torch.export.export(step(base, cache).eval(), args, dynamic_shapes=shapes, strict=False)
+        exported = torch.export.export(step(base, cache).eval(), args, dynamic_shapes=shapes, strict=False)
+    return onednn_linears(exported) if weights_supplied(base) else exported
 
 
 def _sha256(path: Path) -> str:
