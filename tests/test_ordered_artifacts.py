@@ -14,6 +14,7 @@ from hf_bpd.generation.tree import DraftTree
 from tests.test_decoding import prompt_ids
 from tests.test_kernels import REASON, _head_dim_16_bpd
 from tests.test_ordered_attention import assert_tree_rows_equal_one_token_steps
+from tests.test_unfrozen_artifacts import outputs_around_a_weight_change
 
 pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"hf_bpd's kernels: {REASON}"),
               pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.artifacts]
@@ -94,15 +95,9 @@ def test_drafted_decoding_on_the_artifact_equals_plain_decoding(ordered, options
 
 def test_weights_changed_in_place_run_on_the_artifact_with_the_new_weights(ordered):
     """A write through `.data` (no version bump): the artifact is given the new packed weights, so its output is the
-    changed base's compiled plain decoding, which differs from the old one's."""
-    base, ids = ordered.base_lm, prompt_ids(5, 7)
-    before = ordered.generate(ids, compile=True, use_heads=False, **GREEDY)
-    with torch.no_grad():
-        for layer in base.model.layers:
-            layer.mlp.down_proj.weight.data.mul_(-3.0)
-    after = ordered.generate(ids, compile=True, **GREEDY)
-    assert ordered.last_generation_stats.verifier == "artifact"
-    assert not torch.equal(after, before)  # the change matters, so stale weights would be caught
+    changed base's compiled plain decoding."""
+    ids = prompt_ids(5, 7)
+    after = outputs_around_a_weight_change(ordered, ids, use_heads=False)
     assert torch.equal(after, in_process(ordered, ids, use_heads=False))
 
 

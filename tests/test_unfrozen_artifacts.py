@@ -71,15 +71,21 @@ def test_decoding_on_the_artifact_equals_eager_generate(unfrozen, options):
         assert torch.equal(got, unfrozen.base_lm.generate(ids, **GREEDY))
 
 
-def test_weights_changed_in_place_run_on_the_artifact_with_the_new_weights(unfrozen):
-    """A write through `.data` (no version bump): the artifact reads the base's own tensors, so its output is the
-    changed base's eager output, which differs from the old one's."""
-    base, ids = unfrozen.base_lm, prompt_ids(5, 7)
-    before = unfrozen.generate(ids, compile=True, **GREEDY)
+def outputs_around_a_weight_change(model, ids, **before_options):
+    """`generate(compile=True)`'s greedy output on `ids` before and after the base's MLP down projections are scaled
+    through `.data` (no version bump); the second runs on the artifact, and differs from the first, so stale weights
+    would be caught."""
+    before = model.generate(ids, compile=True, **before_options, **GREEDY)
     with torch.no_grad():
-        for layer in base.model.layers:
+        for layer in model.base_lm.model.layers:
             layer.mlp.down_proj.weight.data.mul_(-3.0)
-    after = unfrozen.generate(ids, compile=True, **GREEDY)
-    assert unfrozen.last_generation_stats.verifier == "artifact"
-    assert not torch.equal(after, before)  # the change matters, so stale weights would be caught
-    assert torch.equal(after, base.generate(ids, **GREEDY))
+    after = model.generate(ids, compile=True, **GREEDY)
+    assert model.last_generation_stats.verifier == "artifact"
+    assert not torch.equal(after, before)
+    return after
+
+
+def test_weights_changed_in_place_run_on_the_artifact_with_the_new_weights(unfrozen):
+    """The artifact reads the base's own tensors, so its output is the changed base's eager output."""
+    ids = prompt_ids(5, 7)
+    assert torch.equal(outputs_around_a_weight_change(unfrozen, ids), unfrozen.base_lm.generate(ids, **GREEDY))
