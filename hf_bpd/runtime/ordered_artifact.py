@@ -22,6 +22,7 @@ import torch
 from .attention import attention_implementation
 from .ordered_attention import ORDERED_KERNEL_ATTENTION, identity_key_order, uses_ordered_attention
 from .step import VerificationStep, example_inputs, kv_layout, place_kv
+from .unfrozen_artifact import own_constants
 
 
 def supplies_constants(base) -> bool:
@@ -46,9 +47,7 @@ def supplied_constants(base) -> dict[str, torch.Tensor]:
     names the exported step gives them."""
     from .packed_linear import packed_base
 
-    packed = packed_base(base)
-    tensors = [*packed.named_parameters(remove_duplicate=False), *packed.named_buffers(remove_duplicate=False)]
-    return {f"base.{name}": t for name, t in tensors if t is not None}
+    return own_constants(packed_base(base))
 
 
 class OrderedStep(VerificationStep):

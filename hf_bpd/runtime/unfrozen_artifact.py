@@ -24,7 +24,7 @@ def weight_bytes(base) -> int:
 
 def own_constants(base) -> dict[str, torch.Tensor]:
     """The constants an unfrozen artifact runs on: `base`'s parameters and buffers by the names the exported step
-    gives them."""
+    gives them (it holds `base` as `base`; an ordered artifact's step holds the packed module tree there)."""
     tensors = [*base.named_parameters(remove_duplicate=False), *base.named_buffers(remove_duplicate=False)]
     return {f"base.{name}": t for name, t in tensors if t is not None}
 
