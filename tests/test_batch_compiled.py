@@ -110,7 +110,7 @@ def test_compiled_batch_rows_equal_their_lone_output(monkeypatch):
     assert (4, 4) in charged and all(step == runner for step, runner in charged)
 
 
-@pytest.mark.skipif(kernels_unsupported_reason() is not None, reason="hf_bpd's bf16 kernels need AVX512-BF16")
+@pytest.mark.skipif(kernels_unsupported_reason() is not None, reason="hf_bpd's bf16 kernels need AVX512-BF16 or AVX2")
 def test_bf16_compiled_batch_rows_equal_their_lone_compiled_output(monkeypatch):
     """A bf16 base's compiled batch (hf_bpd's kernels, each row over its own positions): every row equals the same
     prompt's lone compiled plain decoding bit for bit (no near-tie allowance), with forced drafts that branch at their

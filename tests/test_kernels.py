@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from hf_bpd import BlockwiseParallelForCausalLM
 from hf_bpd.runtime import compiled as verify_runtime
 from hf_bpd.runtime.int8_weights import Int8WeightLinear
-from hf_bpd.runtime.kernels import kernels_unsupported_reason
+from hf_bpd.runtime.kernels import instruction_set, kernels_unsupported_reason
 from hf_bpd.runtime.ordered_attention import ordered_kernel_attention_forward
 from hf_bpd.runtime.packed_linear import PackedLinear, packed_base
 from tests.conftest import VOCAB
@@ -33,9 +33,12 @@ CPU_HAS_AMX = "amx_bf16" in open("/proc/cpuinfo").read().split()
 
 
 def _engines() -> list[str]:
-    """The packed GEMM's engines this process can run: AVX512-BF16, and AMX where the CPU has it and Linux grants it."""
+    """The packed GEMM's engines this process can run: AVX512-BF16, and AMX where the CPU has it and Linux grants it;
+    AVX2 alone on CPUs without AVX512-BF16."""
     if REASON is not None:
         return ["avx512"]
+    if instruction_set() == "avx2":
+        return ["avx2"]
     choose = torch.ops.hf_bpd_kernels.packed_linear_engine
     before = choose()
     engines = ["avx512"] + (["amx"] if choose("amx") == "amx" else [])
@@ -48,7 +51,7 @@ ENGINES = _engines()
 
 @pytest.fixture(params=ENGINES)
 def engine(request):
-    """The packed GEMM's engine for one test (AVX512-BF16 everywhere; AMX tiles where the CPU has them), restored
+    """The packed GEMM's engine for one test (AVX512-BF16, and AMX tiles where the CPU has them; or AVX2), restored
     after it."""
     choose = torch.ops.hf_bpd_kernels.packed_linear_engine
     before = choose()
@@ -59,6 +62,11 @@ def engine(request):
 
 def test_the_packed_gemm_runs_on_amx_where_the_cpu_has_it():
     engine = torch.ops.hf_bpd_kernels.packed_linear_engine()
+    if instruction_set() == "avx2":  # no AVX512-BF16: the AVX2 kernel, which has no other engine
+        assert engine == "avx2"
+        with pytest.raises(RuntimeError, match="'avx2' only"):
+            torch.ops.hf_bpd_kernels.packed_linear_engine("avx512")
+        return
     assert engine == ("amx" if CPU_HAS_AMX and "amx" not in os.environ.get("HF_BPD_OFF", "").split(",") else "avx512")
     with pytest.raises(RuntimeError, match="'amx' or 'avx512'"):
         torch.ops.hf_bpd_kernels.packed_linear_engine("tiles")

@@ -42,9 +42,9 @@ def test_the_key_and_the_graphs_of_a_windowed_artifact(built):
     assert "window" in artifacts.one_token_unsupported_reason(base)
     loaded = artifacts.load(base)
     assert loaded.window == 8 and artifacts.load(base, threads=2) is None  # built for 1 thread only
-    from hf_bpd.evaluation.batch_bench import _build_artifact
+    from hf_bpd.evaluation.batch_bench import build_batch_artifacts
 
-    _build_artifact(base)  # what `hf-bpd bench --batch-size` builds first: the step only (its batches never load more)
+    build_batch_artifacts(base)  # what `hf-bpd bench --batch-size` builds first: the step only (its batches never load more)
     assert not any(path.parent.glob("one_token*"))
 
 

@@ -44,7 +44,7 @@ def batch_decoders(model, base, settings: dict, methods) -> dict:
     taken out of the timing; the two compiled methods share their shapes, so a shape's time is the first one's)."""
     check_batch_methods(methods)
     if "bpd" in methods or "ar-artifact" in methods:
-        _build_artifact(base)
+        build_batch_artifacts(base)
     known = {"ar": lambda batch: base.generate(**batch, **settings),
              "ar-compiled": lambda batch: model.generate(**batch, **settings, use_heads=False, compile="wait"),
              "ar-artifact": lambda batch: model.generate(**batch, **settings, use_heads=False, compile=True),
@@ -53,17 +53,19 @@ def batch_decoders(model, base, settings: dict, methods) -> dict:
     return {m: known[m] for m in methods}
 
 
-def _build_artifact(base) -> None:
-    """Build (when missing) and load `base`'s artifact and its one-token batch step when it can verify its batches
-    (what `compile=True` would otherwise start in the background)."""
+def build_batch_artifacts(base) -> bool:
+    """Build (when missing) and load `base`'s artifact and its batch steps when it can verify its batches (what
+    `compile=True` would otherwise start in the background); True when batches of `base` run on them."""
     from ..runtime import artifacts
     from ..runtime.batched import batched_artifact_unsupported_reason
 
-    if batched_artifact_unsupported_reason(base, 1) is None:
-        artifacts.ensure(base)
-        if artifacts.one_token_unsupported_reason(base) is None:  # sliding-window bases: their batches never load it
-            for graph in artifacts.BATCH_GRAPHS:
-                artifacts.ensure(base, graph=graph)
+    if batched_artifact_unsupported_reason(base, 1) is not None:
+        return False
+    artifacts.ensure(base)
+    if artifacts.one_token_unsupported_reason(base) is None:  # sliding-window bases: their batches never load it
+        for graph in artifacts.BATCH_GRAPHS:
+            artifacts.ensure(base, graph=graph)
+    return True
 
 
 def check_batch_methods(methods) -> None:

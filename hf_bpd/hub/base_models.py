@@ -169,7 +169,8 @@ def load_base_model(name_or_path: str, dtype: torch.dtype | str = torch.float32,
 def default_base_dtype(config) -> torch.dtype:
     """The dtype a checkpoint's base loads in when the caller names none: the one the checkpoint's config records
     (`dtype`, as transformers' `dtype="auto"` reads a config's) where hf_bpd's kernels run it on this CPU (bf16 on
-    AVX512-BF16: there it is the fastest exact path), else float32 (exact against eager `generate()` everywhere)."""
+    AVX512-BF16 or AVX2 CPUs: there it is the fastest exact path), else float32 (exact against eager `generate()`
+    everywhere)."""
     from ..runtime.kernels import kernels_unsupported_reason
 
     recorded = getattr(config, "dtype", None)

@@ -76,7 +76,7 @@ def batched_unsupported_reason(base) -> str | None:
         if has_sliding_layers(base.config):
             return "bf16 batches of sliding-window bases verify eagerly"
         if kv_layout(base.config)[1] % 16 or packed_base(base) is None:
-            return "bf16 batches verify eagerly where hf_bpd's kernels do not run (an AVX512-BF16 CPU, head dim % 16)"
+            return "bf16 batches verify eagerly where hf_bpd's kernels do not run (AVX512-BF16 or AVX2, head dim % 16)"
     return None
 
 

@@ -146,7 +146,7 @@ class CompiledRunner:
         self.base = base
         self.max_cache_len = max_cache_len
         self.cache = verification_cache(base.config, max_cache_len)
-        # Half precision: position-ordered attention and, on AVX512-BF16 CPUs, hf_bpd's row-invariant kernels
+        # Half precision: position-ordered attention and, on AVX512-BF16 or AVX2 CPUs, hf_bpd's row-invariant kernels
         # (`hf_bpd.runtime.kernels`): a block's rows round as one-token steps do, so drafting never changes the output.
         self.ordered = uses_ordered_attention(base)
         self.packed = packed_base(base) if self.ordered else None

@@ -1,10 +1,13 @@
-"""hf_bpd's PyTorch operators for bf16 and int8-weight bases on CPUs with AVX512-BF16 (`torch.ops.hf_bpd_kernels`):
+"""hf_bpd's PyTorch operators for bf16 and int8-weight bases on CPUs with AVX512-BF16, or AVX2 and FMA
+(`torch.ops.hf_bpd_kernels`):
 
 * `packed_linear(x, packed, scale, bias)`: the row-invariant GEMM of `hf_bpd.runtime.packed_linear`
   (`csrc/packed_linear.cpp`), on AMX tiles where the CPU has them; `packed_linear_engine(choose=None)` names (or,
-  for tests and benchmarks, sets) the engine of this process: "amx" or "avx512";
+  for tests and benchmarks, sets) the engine of this process: "amx" or "avx512" (`csrc/packed_linear.cpp`), or
+  "avx2" on CPUs without AVX512-BF16 (`csrc/packed_linear_avx2.cpp`: the same layout and rounding points, its own
+  sums);
 * `ordered_attention(query, key, value, mask, key_slots, scaling)`: position-ordered attention over the cache slots
-  in use (`hf_bpd.runtime.ordered_attention`, `csrc/ordered_attention.cpp`).
+  in use (`hf_bpd.runtime.ordered_attention`, `csrc/ordered_attention.cpp`, or `csrc/ordered_attention_avx2.cpp`).
 
 Both compute each row of a block by the same instructions in the same order as that row alone, which is what keeps
 drafting exact in half precision. They are built on first use with the C++ compiler against PyTorch's headers
@@ -23,7 +26,11 @@ import torch
 from ..hub.locate import cache_dir
 from .int8_heads import HEADERS, compile_library, cpu_features
 
-_SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("packed_linear.cpp", "ordered_attention.cpp")]
+_CSRC = Path(__file__).resolve().parent / "csrc"
+# the sources by instruction set, the widest first: a CPU builds the first set whose features it has
+_SOURCES = {"avx512_bf16": [_CSRC / "packed_linear.cpp", _CSRC / "ordered_attention.cpp"],
+            "avx2": [_CSRC / "packed_linear_avx2.cpp", _CSRC / "ordered_attention_avx2.cpp"]}
+_FEATURES = {"avx512_bf16": {"avx512f", "avx512_bf16"}, "avx2": {"avx2", "fma", "f16c"}}
 _CXXFLAGS = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-DNDEBUG", "-w"]
 LANES = 16  # outputs per packed weight block (`packed_linear`)
 _lock = threading.Lock()
@@ -39,9 +46,15 @@ def _torch_flags() -> list[str]:
     return [abi, *includes, "-L", libdir, "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{libdir}"]
 
 
+def instruction_set() -> str | None:
+    """The kernels' instruction set on this CPU ("avx512_bf16" or "avx2"), or None when it has neither."""
+    flags = set(cpu_features().split())
+    return next((name for name, needed in _FEATURES.items() if needed <= flags), None)
+
+
 def kernel_file() -> Path:
     """The built library for these sources, flags, this CPU and this PyTorch (hashed into the file name)."""
-    key = b"".join(source.read_bytes() for source in (*_SOURCES, *HEADERS))
+    key = b"".join(source.read_bytes() for source in (*_SOURCES[instruction_set()], *HEADERS))
     key += " ".join(_CXXFLAGS).encode() + cpu_features().encode() + torch.__version__.encode()
     return cache_dir() / "kernels" / f"libhf_bpd_kernels-{hashlib.sha256(key).hexdigest()[:16]}.so"
 
@@ -50,7 +63,8 @@ def _build() -> Path:
     target = kernel_file()
     if target.exists():
         return target
-    return compile_library([*_CXXFLAGS, *map(str, _SOURCES), *_torch_flags()], target, "hf_bpd's kernels", timeout=600)
+    sources = map(str, _SOURCES[instruction_set()])
+    return compile_library([*_CXXFLAGS, *sources, *_torch_flags()], target, "hf_bpd's kernels", timeout=600)
 
 
 def kernels_unsupported_reason() -> str | None:
@@ -61,9 +75,8 @@ def kernels_unsupported_reason() -> str | None:
         return "HF_BPD_OFF=kernels"
     with _lock:
         if "loaded" not in _state and "error" not in _state:
-            flags = set(cpu_features().split())
-            if not {"avx512f", "avx512_bf16"} <= flags:
-                _state["error"] = "this CPU has no AVX512-BF16 instructions"
+            if instruction_set() is None:
+                _state["error"] = "this CPU has neither AVX512-BF16 nor AVX2 and FMA instructions"
             else:
                 try:
                     from ..hub.locate import trusted

@@ -38,7 +38,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ORDERED_ATTENTION = "hf_bpd_ordered"
-ORDERED_KERNEL_ATTENTION = "hf_bpd_ordered_kernel"  # the same order, in C++ over the slots in use (bf16, AVX512-BF16)
+ORDERED_KERNEL_ATTENTION = "hf_bpd_ordered_kernel"  # the same order in C++ over the slots in use (bf16)
 HALF_PRECISION = (torch.bfloat16, torch.float16)
 
 

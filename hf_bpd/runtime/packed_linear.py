@@ -1,4 +1,5 @@
-"""Row-invariant linear layers for bf16 and int8-weight bases on CPUs with AVX512-BF16: the compiled step's GEMMs.
+"""Row-invariant linear layers for bf16 and int8-weight bases on CPUs with AVX512-BF16 or AVX2: the compiled step's
+GEMMs.
 
 A drafted block is exact only if each of its rows is computed as the same row would be alone: in half precision any
 other summation order flips greedy choices at bf16's many near-ties. `csrc/packed_linear.cpp` is a GEMM built for
@@ -8,7 +9,9 @@ the multiply units busy for 8-16, so on SmolLM2's shapes it runs faster than PyT
 int8 weight-only kernel from a few rows on. On CPUs with AMX the same packed weights are the tile unit's B tiles
 (`tdpbf16ps`, up to 16 rows per tile, each row its own fixed-order sum), where 8 or 16 rows cost what one row costs;
 one engine serves a process (`torch.ops.hf_bpd_kernels.packed_linear_engine()`, `HF_BPD_OFF=amx` for the AVX512-BF16
-path), because the two engines' sums can differ in their last bits.
+path), because the two engines' sums can differ in their last bits. CPUs without AVX512-BF16 but with AVX2 and FMA
+run `csrc/packed_linear_avx2.cpp` on the same packed weights (two FMAs per input pair in one lane: row-invariant
+too, its own last bits), where bf16 weights halve what an fp32 step reads.
 
 `packed_base(base)` is the module tree the compiled steps of a bf16 or `Int8WeightsConfig` base run: a copy of the
 base's modules sharing every parameter, buffer and config with it, whose linear layers are `PackedLinear`s holding the
@@ -75,8 +78,8 @@ class PackedLinear(nn.Module):
 
 
 def packing_unsupported_reason(base) -> str | None:
-    """Why the kernel cannot serve `base`'s linear layers (None when it can: a bf16 CPU base, AVX512-BF16, the
-    kernels built)."""
+    """Why the kernel cannot serve `base`'s linear layers (None when it can: a bf16 CPU base, AVX512-BF16 or
+    AVX2, the kernels built)."""
     if base.dtype != torch.bfloat16 or base.device.type != "cpu":
         return "the packed kernels serve bf16 bases on the CPU"
     return kernels_unsupported_reason()
@@ -84,7 +87,8 @@ def packing_unsupported_reason(base) -> str | None:
 
 def packed_base(base) -> nn.Module | None:
     """`base`'s module tree with every linear layer the kernel serves packed (see the module docstring), or None
-    when this base or this machine has none to serve (not bf16, not on the CPU, no AVX512-BF16, build failed)."""
+    when this base or this machine has none to serve (not bf16, not on the CPU, no AVX512-BF16 or AVX2, build
+    failed)."""
     if packing_unsupported_reason(base) is not None:
         return None
     with _lock:

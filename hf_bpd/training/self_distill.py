@@ -48,8 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the base's dtype")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads")
     p.add_argument("--compile", action="store_true",
-                   help="decode a plain base's batches with hf_bpd's compiled steps (compile='wait': each rows x "
-                        "width shape compiles once per process; bf16 and int8 bases on hf_bpd's CPU kernels)")
+                   help="decode a plain base's batches with hf_bpd's compiled steps: the base's prebuilt steps "
+                        "(built first when missing, as `hf-bpd compile` does) where its batches can run on them, "
+                        "else compile='wait' (each rows x width shape compiles once per process)")
     args = p.parse_args(argv)
     if args.device == "auto":
         args.device = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
@@ -97,9 +98,13 @@ def main(argv=None):
     drafting = {"compile": False} if hasattr(model, "heads") else {}  # batched drafting is eager
     model.to(args.device)
     if args.compile and not hasattr(model, "heads"):  # plain decoding through the compiled batch steps
+        from ..evaluation.batch_bench import build_batch_artifacts
         from ..evaluation.decoders import plain_wrapper
 
-        model, drafting = plain_wrapper(model), {"use_heads": False, "compile": "wait"}
+        # the base's prebuilt steps when its batches can run on them (built here once per machine: they use the
+        # base's own weights, where in-process compiles of a base of over 2 GiB would hold frozen copies of them)
+        on_artifacts = build_batch_artifacts(model)
+        model, drafting = plain_wrapper(model), {"use_heads": False, "compile": True if on_artifacts else "wait"}
 
     def chat(prompt: str) -> str:
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
