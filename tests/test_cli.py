@@ -280,6 +280,7 @@ def test_dtype_short_names_and_int8_quantization_flag(tiny, capsys):
     for command in ("generate", "bench", "profile", "compile"):
         assert parser.parse_args([command, "--dtype", "bf16"]).dtype == "bfloat16"
     assert parser.parse_args(["bench", "--dtype", "fp32", "--quantize", "int8"]).quantize == "int8"
+    assert parser.parse_args(["compile", "--quantize", "int8"]).quantize == "int8"  # the int8 base's artifact
     assert run_main(["bench", "--quantize", "int4"]) == 2
     assert "argument --quantize: invalid choice: 'int4'" in capsys.readouterr().err
     assert run_main(["generate", "--dtype", "bf8"]) == 2

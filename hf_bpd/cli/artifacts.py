@@ -40,7 +40,7 @@ def cmd_compile(args) -> int:
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype, quantize=args.quantize)
     base = getattr(model, "base_lm", model).eval()
     reason = artifacts.unsupported_reason(base)
     if reason is not None:
@@ -115,7 +115,7 @@ def add_parsers(sub, command) -> None:
         "shows the cache, --clear empties it.")
     p.add_argument("model", nargs="?", default=None, help="heads checkpoint directory or base model")
     p.add_argument("--threads", type=int, default=2, help="torch threads the artifact is built for (baked in)")
-    _add_dtype(p)
+    _add_dtype(p, quantize=True)
     p.add_argument("--tree", default=None, help="a tree shape you will draft with (widths per head, e.g. 4,2,2,1): "
                    "says whether the artifact serves its blocks")
     p.add_argument("--draft-nodes", type=int, default=None, help="a draft-node budget you will draft with (the same)")
