@@ -31,6 +31,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = {"avx512_bf16": [_CSRC / "packed_linear.cpp", _CSRC / "ordered_attention.cpp"],
             "avx2": [_CSRC / "packed_linear_avx2.cpp", _CSRC / "ordered_attention_avx2.cpp"]}
 _FEATURES = {"avx512_bf16": {"avx512f", "avx512_bf16"}, "avx2": {"avx2", "fma", "f16c"}}
+_INPUTS = _CSRC / "kernel_inputs.h"  # the operators' checked inputs, included by every source
 _CXXFLAGS = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-DNDEBUG", "-w"]
 LANES = 16  # outputs per packed weight block (`packed_linear`)
 _lock = threading.Lock()
@@ -54,7 +55,7 @@ def instruction_set() -> str | None:
 
 def kernel_file() -> Path:
     """The built library for these sources, flags, this CPU and this PyTorch (hashed into the file name)."""
-    key = b"".join(source.read_bytes() for source in (*_SOURCES[instruction_set()], *HEADERS))
+    key = b"".join(source.read_bytes() for source in (*_SOURCES[instruction_set()], _INPUTS, *HEADERS))
     key += " ".join(_CXXFLAGS).encode() + cpu_features().encode() + torch.__version__.encode()
     return cache_dir() / "kernels" / f"libhf_bpd_kernels-{hashlib.sha256(key).hexdigest()[:16]}.so"
 

@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "kernel_inputs.h"
 #include "vector_exp.h"
 
 #include <algorithm>
@@ -22,7 +23,6 @@
 
 namespace {
 
-constexpr float kClosed = -1e38f;  // an additive mask at or below this closes a position
 
 
 inline __m512 load_bf16(const at::BFloat16* p) {  // 16 bf16 -> fp32
@@ -146,61 +146,27 @@ Attend pick(int64_t chunks, std::integer_sequence<int, NC...>) {
 
 at::Tensor ordered_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                              const at::Tensor& mask, const c10::optional<at::Tensor>& key_slots, double scaling) {
-    TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
-                    value.scalar_type() == at::kBFloat16 && mask.scalar_type() == at::kBFloat16,
-                "ordered_attention: bf16 query, key, value and mask");
-    const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
-    const int64_t kv_heads = key.size(1), slots = key.size(2);
-    TORCH_CHECK(dim % 16 == 0 && dim <= 256 && heads % kv_heads == 0,
-                "ordered_attention: a head dim that is a multiple of 16, at most 256");
-    TORCH_CHECK(mask.dim() == 4 && mask.size(0) == batch && mask.size(1) == 1 && mask.size(2) == rows &&
-                    mask.size(3) == slots, "ordered_attention: an additive (batch, 1, rows, slots) mask");
-    // The query is read through its strides: a block's query is a transposed view, and copying it cost ~10 us a
-    // layer (SmolLM2, 8 rows).
-    at::Tensor q = query.stride(3) == 1 ? query : query.contiguous();
-    at::Tensor k = key.contiguous(), v = value.contiguous(), m = mask.contiguous();
-    at::Tensor order;
-    if (key_slots.has_value() && key_slots->defined()) {
-        order = key_slots->to(at::kLong).contiguous();
-        TORCH_CHECK((order.dim() == 2 && order.size(0) == rows && order.size(1) == slots) ||
-                        (order.dim() == 3 && order.size(0) == batch && order.size(1) == rows && order.size(2) == slots),
-                    "ordered_attention: key_slots (rows, slots) or (batch, rows, slots)");
-    }
-    const at::BFloat16* mp = m.data_ptr<at::BFloat16>();
-    // Each row reads positions [0, its last open one]; later ones would only add exact zeros.
-    std::vector<int64_t> length(batch * rows, 0);
-    for (int64_t i = 0; i < batch * rows; ++i)
-        for (int64_t p = slots - 1; p >= 0; --p)
-            if (static_cast<float>(mp[i * slots + p]) > kClosed) {
-                length[i] = p + 1;
-                break;
-            }
-    at::Tensor out = at::empty({batch, rows, heads, dim}, query.options());
-    const int64_t groups = heads / kv_heads, splits = (groups + kGroup - 1) / kGroup;
-    const Problem pr{q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), mp,
-                     order.defined() ? order.data_ptr<int64_t>() : nullptr, order.defined() && order.dim() == 3,
-                     out.data_ptr<at::BFloat16>(),
-                     heads, rows, slots, groups, q.stride(0), q.stride(1), q.stride(2), static_cast<float>(scaling)};
-    const Attend run = pick(dim / 16, std::make_integer_sequence<int, 16>{});
-    const int64_t most = (*std::max_element(length.begin(), length.end()) + 15) / 16 * 16;
-    // one unit: a row's query heads of one key/value head (up to kGroup of them)
-    at::parallel_for(0, batch * kv_heads * rows * splits, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> weights(kGroup * most);
-        for (int64_t unit = begin; unit < end; ++unit) {
-            const int64_t split = unit % splits, r = unit / splits % rows, kvh = unit / (splits * rows) % kv_heads;
-            const int64_t b = unit / (splits * rows * kv_heads), first = split * kGroup;
-            const int64_t count = std::min<int64_t>(kGroup, groups - first);
-            run(pr, b, r, kvh * groups + first, count, length[b * rows + r], weights.data());
-        }
-    });
+    const hf_bpd::AttentionInputs in = hf_bpd::attention_inputs(query, key, value, mask, key_slots);
+    const int64_t batch = in.batch, heads = in.heads, rows = in.rows, kv_heads = in.kv_heads;
+    at::Tensor out = at::empty({batch, rows, heads, in.dim}, query.options());
+    const int64_t groups = heads / kv_heads;
+    const Problem pr{in.q.data_ptr<at::BFloat16>(), in.k.data_ptr<at::BFloat16>(), in.v.data_ptr<at::BFloat16>(),
+                     in.mask.data_ptr<at::BFloat16>(), in.order.defined() ? in.order.data_ptr<int64_t>() : nullptr,
+                     in.order.defined() && in.order.dim() == 3, out.data_ptr<at::BFloat16>(), heads, rows, in.slots,
+                     groups, in.q.stride(0), in.q.stride(1), in.q.stride(2), static_cast<float>(scaling)};
+    const Attend run = pick(in.dim / 16, std::make_integer_sequence<int, 16>{});
+    const int64_t most = (in.longest + 15) / 16 * 16;
+    hf_bpd::each_head_group(in, kGroup, [&] { return std::vector<float>(kGroup * most); },
+                            [&](auto& scratch, int64_t b, int64_t r, int64_t h0, int64_t count, int64_t length) {
+                                run(pr, b, r, h0, count, length, scratch.data());
+                            });
     return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hf_bpd_kernels, m) {
-    m.def("ordered_attention(Tensor query, Tensor key, Tensor value, Tensor mask, Tensor? key_slots, float scaling) "
-          "-> Tensor");
+    hf_bpd::define_ordered_attention(m);
 }
 
 TORCH_LIBRARY_IMPL(hf_bpd_kernels, CPU, m) {

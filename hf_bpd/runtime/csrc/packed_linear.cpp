@@ -19,6 +19,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "kernel_inputs.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -33,7 +35,7 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // outputs per packed block
+constexpr int64_t kLanes = hf_bpd::kPackedLanes;  // outputs per packed block
 
 inline __m512bh load_weights(const uint16_t* w) {
     return (__m512bh)_mm512_loadu_si512(w);
@@ -333,49 +335,33 @@ std::string packed_linear_engine(const c10::optional<std::string>& choose) {
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
                          const c10::optional<at::Tensor>& bias) {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "packed_linear: x must be bf16, got ", x.scalar_type());
-    TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kLanes && packed.size(3) == 2 && packed.is_contiguous(),
-                "packed_linear: the weight must be packed as (N / 16, K / 2, 16, 2)");
-    const int64_t blocks = packed.size(0), pairs = packed.size(1), k = pairs * 2, n = blocks * kLanes;
-    TORCH_CHECK(x.size(-1) == k, "packed_linear: x has ", x.size(-1), " features, the weight ", k);
-    const bool int8 = packed.scalar_type() == at::kChar;
-    TORCH_CHECK(int8 || packed.scalar_type() == at::kBFloat16, "packed_linear: the weight must be bf16 or int8");
-    TORCH_CHECK(int8 == (scale.has_value() && scale->defined()), "packed_linear: int8 weights take a scale, bf16 none");
-    auto lead = x.sizes().vec();
-    lead.pop_back();
-    at::Tensor rows = x.reshape({-1, k}).contiguous();
-    const int64_t m = rows.size(0);
-    auto out_sizes = lead;
-    out_sizes.push_back(n);
+    const hf_bpd::PackedInputs in = hf_bpd::packed_inputs(x, packed, scale, bias);
+    const int64_t m = in.rows.size(0), blocks = in.blocks, pairs = in.pairs, n = in.n;
     at::Tensor y = at::empty({m, n}, x.options());
-    at::Tensor s, c;  // fp32 (PackedLinear stores them so: a conversion per call cost ~1 ms per SmolLM2 step)
-    if (int8) s = scale->scalar_type() == at::kFloat ? scale->contiguous() : scale->to(at::kFloat).contiguous();
-    if (bias.has_value() && bias->defined())
-        c = bias->scalar_type() == at::kFloat ? bias->contiguous() : bias->to(at::kFloat).contiguous();
     if (m > 0) {
-        const auto* xp = reinterpret_cast<const uint32_t*>(rows.data_ptr<at::BFloat16>());
+        const auto* xp = reinterpret_cast<const uint32_t*>(in.rows.data_ptr<at::BFloat16>());
         auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-        const float* sp = int8 ? s.data_ptr<float>() : nullptr;
-        const float* cp = c.defined() ? c.data_ptr<float>() : nullptr;
-        const auto* wb = reinterpret_cast<const uint16_t*>(int8 ? nullptr : packed.data_ptr<at::BFloat16>());
+        const float* sp = in.int8 ? in.scale.data_ptr<float>() : nullptr;
+        const float* cp = in.bias.defined() ? in.bias.data_ptr<float>() : nullptr;
+        const auto* wb = reinterpret_cast<const uint16_t*>(in.int8 ? nullptr : packed.data_ptr<at::BFloat16>());
 #ifdef BPD_WITH_AMX
         if (pairs % kTilePairs == 0 && use_amx()) {
             const auto* xb = reinterpret_cast<const uint16_t*>(xp);
-            if (int8) amx_run(m, xb, pairs, packed.data_ptr<int8_t>(), blocks, sp, cp, yp, n);
+            if (in.int8) amx_run(m, xb, pairs, packed.data_ptr<int8_t>(), blocks, sp, cp, yp, n);
             else amx_run(m, xb, pairs, wb, blocks, sp, cp, yp, n);
-            return y.view(out_sizes);
+            return y.view(in.out_sizes);
         }
 #endif
-        if (int8) run(m, xp, pairs, packed.data_ptr<int8_t>(), blocks, sp, cp, yp, n);
+        if (in.int8) run(m, xp, pairs, packed.data_ptr<int8_t>(), blocks, sp, cp, yp, n);
         else run(m, xp, pairs, wb, blocks, sp, cp, yp, n);
     }
-    return y.view(out_sizes);
+    return y.view(in.out_sizes);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(hf_bpd_kernels, m) {
-    m.def("packed_linear(Tensor x, Tensor packed, Tensor? scale, Tensor? bias) -> Tensor");
+    hf_bpd::define_packed_linear(m);
     m.def("packed_linear_engine(str? choose=None) -> str", &packed_linear_engine);
 }
 
