@@ -55,7 +55,7 @@ def instruction_set() -> str | None:
 
 def kernel_file() -> Path:
     """The built library for these sources, flags, this CPU and this PyTorch (hashed into the file name)."""
-    key = b"".join(source.read_bytes() for source in (*_SOURCES[instruction_set()], _INPUTS, *HEADERS))
+    key = b"".join(source.read_bytes() for source in (*_SOURCES.get(instruction_set(), []), _INPUTS, *HEADERS))
     key += " ".join(_CXXFLAGS).encode() + cpu_features().encode() + torch.__version__.encode()
     return cache_dir() / "kernels" / f"libhf_bpd_kernels-{hashlib.sha256(key).hexdigest()[:16]}.so"
 
