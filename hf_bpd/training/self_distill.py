@@ -101,8 +101,8 @@ def main(argv=None):
         from ..evaluation.batch_bench import build_batch_artifacts
         from ..evaluation.decoders import plain_wrapper
 
-        # the base's prebuilt steps when its batches can run on them (built here once per machine: they use the
-        # base's own weights, where in-process compiles of a base of over 2 GiB would hold frozen copies of them)
+        # the base's prebuilt steps when its batches can run on them: built once per machine and loaded, where
+        # in-process compiles of a large fp32 base would hold frozen copies of its weights
         on_artifacts = build_batch_artifacts(model)
         model, drafting = plain_wrapper(model), {"use_heads": False, "compile": True if on_artifacts else "wait"}
 

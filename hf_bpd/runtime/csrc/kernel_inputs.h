@@ -42,7 +42,7 @@ inline PackedInputs packed_inputs(const at::Tensor& x, const at::Tensor& packed,
     in.out_sizes = x.sizes().vec();
     in.out_sizes.back() = in.n;
     in.rows = x.reshape({-1, k}).contiguous();
-    // fp32 (PackedLinear stores them so: a conversion per call cost ~1 ms per SmolLM2 step)
+    // fp32, as PackedLinear stores them, so that no call converts them
     if (in.int8) in.scale = contiguous_fp32(*scale);
     if (bias.has_value() && bias->defined()) in.bias = contiguous_fp32(*bias);
     return in;
@@ -72,8 +72,8 @@ inline AttentionInputs attention_inputs(const at::Tensor& query, const at::Tenso
                 "ordered_attention: a head dim that is a multiple of 16, at most 256");
     TORCH_CHECK(mask.dim() == 4 && mask.size(0) == in.batch && mask.size(1) == 1 && mask.size(2) == in.rows &&
                     mask.size(3) == in.slots, "ordered_attention: an additive (batch, 1, rows, slots) mask");
-    // The query is read through its strides: a block's query is a transposed view, and copying it cost ~10 us a
-    // layer (SmolLM2, 8 rows).
+    // The query is read through its strides: a block's query is a transposed view, which a copy would duplicate in
+    // every layer.
     in.q = query.stride(3) == 1 ? query : query.contiguous();
     in.k = key.contiguous(), in.v = value.contiguous(), in.mask = mask.contiguous();
     if (key_slots.has_value() && key_slots->defined()) {
