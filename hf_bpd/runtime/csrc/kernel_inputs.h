@@ -95,6 +95,25 @@ inline AttentionInputs attention_inputs(const at::Tensor& query, const at::Tenso
     return in;
 }
 
+// What each unit of ordered attention reads and writes: raw pointers and sizes of the checked inputs.
+struct AttentionProblem {
+    const at::BFloat16 *q, *k, *v, *mask;
+    const int64_t* order;  // (rows, slots) or (batch, rows, slots) key slots by position, or null: slot p
+    bool order_batched;    // order has a batch dimension (each sequence of a batch its own map)
+    at::BFloat16* out;
+    int64_t heads, rows, slots, groups, dim;
+    int64_t q_batch, q_head, q_row;  // the query's strides (its last dimension is contiguous)
+    float scale;
+};
+
+inline AttentionProblem attention_problem(const AttentionInputs& in, at::Tensor& out, double scaling) {
+    return {in.q.data_ptr<at::BFloat16>(), in.k.data_ptr<at::BFloat16>(), in.v.data_ptr<at::BFloat16>(),
+            in.mask.data_ptr<at::BFloat16>(), in.order.defined() ? in.order.data_ptr<int64_t>() : nullptr,
+            in.order.defined() && in.order.dim() == 3, out.data_ptr<at::BFloat16>(), in.heads, in.rows, in.slots,
+            in.heads / in.kv_heads, in.dim, in.q.stride(0), in.q.stride(1), in.q.stride(2),
+            static_cast<float>(scaling)};
+}
+
 // Calls `unit(scratch, b, r, h0, count, length)` in parallel for every row's groups of up to `group` query heads that
 // share a key/value head (heads [h0, h0 + count) of row r in sequence b, over its `length` positions); `make_scratch()`
 // gives each thread its buffers.

@@ -52,15 +52,7 @@ inline __m512 sum_lanes16(const __m512* v) {
 
 constexpr int64_t kGroup = 4;  // query heads of one key/value head that share each value row's conversion
 
-struct Problem {
-    const at::BFloat16 *q, *k, *v, *mask;
-    const int64_t* order;  // (rows, slots) or (batch, rows, slots) key slots by position, or null: slot p
-    bool order_batched;    // order has a batch dimension (each sequence of a batch its own map)
-    at::BFloat16* out;
-    int64_t heads, rows, slots, groups;
-    int64_t q_batch, q_head, q_row;  // the query's strides (its last dimension is contiguous)
-    float scale;
-};
+using Problem = hf_bpd::AttentionProblem;
 
 // The attention of query heads [h0, h0 + count) (one key/value head) of row `r` in batch `b`, over positions
 // [0, length): NC chunks of 16 dims. Each head's arithmetic is the same whatever else shares the call, so a block's
@@ -147,13 +139,8 @@ Attend pick(int64_t chunks, std::integer_sequence<int, NC...>) {
 at::Tensor ordered_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                              const at::Tensor& mask, const c10::optional<at::Tensor>& key_slots, double scaling) {
     const hf_bpd::AttentionInputs in = hf_bpd::attention_inputs(query, key, value, mask, key_slots);
-    const int64_t batch = in.batch, heads = in.heads, rows = in.rows, kv_heads = in.kv_heads;
-    at::Tensor out = at::empty({batch, rows, heads, in.dim}, query.options());
-    const int64_t groups = heads / kv_heads;
-    const Problem pr{in.q.data_ptr<at::BFloat16>(), in.k.data_ptr<at::BFloat16>(), in.v.data_ptr<at::BFloat16>(),
-                     in.mask.data_ptr<at::BFloat16>(), in.order.defined() ? in.order.data_ptr<int64_t>() : nullptr,
-                     in.order.defined() && in.order.dim() == 3, out.data_ptr<at::BFloat16>(), heads, rows, in.slots,
-                     groups, in.q.stride(0), in.q.stride(1), in.q.stride(2), static_cast<float>(scaling)};
+    at::Tensor out = at::empty({in.batch, in.rows, in.heads, in.dim}, query.options());
+    const Problem pr = hf_bpd::attention_problem(in, out, scaling);
     const Attend run = pick(in.dim / 16, std::make_integer_sequence<int, 16>{});
     const int64_t most = (in.longest + 15) / 16 * 16;
     hf_bpd::each_head_group(in, kGroup, [&] { return std::vector<float>(kGroup * most); },

@@ -76,15 +76,7 @@ inline float max8(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
-struct Problem {
-    const at::BFloat16 *q, *k, *v, *mask;
-    const int64_t* order;  // (rows, slots) or (batch, rows, slots) key slots by position, or null: slot p
-    bool order_batched;    // order has a batch dimension (each sequence of a batch its own map)
-    at::BFloat16* out;
-    int64_t heads, rows, slots, groups, dim;
-    int64_t q_batch, q_head, q_row;  // the query's strides (its last dimension is contiguous)
-    float scale;
-};
+using Problem = hf_bpd::AttentionProblem;
 
 // The attention of query heads [h0, h0 + count) (one key/value head) of row `r` in batch `b` over positions
 // [0, length). `weights` holds kGroup rows of the padded length, `query` dim floats.
@@ -161,13 +153,8 @@ void attend(const Problem& pr, int64_t b, int64_t r, int64_t h0, int64_t count, 
 at::Tensor ordered_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                              const at::Tensor& mask, const c10::optional<at::Tensor>& key_slots, double scaling) {
     const hf_bpd::AttentionInputs in = hf_bpd::attention_inputs(query, key, value, mask, key_slots);
-    const int64_t batch = in.batch, heads = in.heads, rows = in.rows, kv_heads = in.kv_heads;
-    at::Tensor out = at::empty({batch, rows, heads, in.dim}, query.options());
-    const int64_t groups = heads / kv_heads;
-    const Problem pr{in.q.data_ptr<at::BFloat16>(), in.k.data_ptr<at::BFloat16>(), in.v.data_ptr<at::BFloat16>(),
-                     in.mask.data_ptr<at::BFloat16>(), in.order.defined() ? in.order.data_ptr<int64_t>() : nullptr,
-                     in.order.defined() && in.order.dim() == 3, out.data_ptr<at::BFloat16>(), heads, rows, in.slots,
-                     groups, in.dim, in.q.stride(0), in.q.stride(1), in.q.stride(2), static_cast<float>(scaling)};
+    at::Tensor out = at::empty({in.batch, in.rows, in.heads, in.dim}, query.options());
+    const Problem pr = hf_bpd::attention_problem(in, out, scaling);
     const int64_t most = (in.longest + 7) / 8 * 8;
     const auto buffers = [&] { return std::make_pair(std::vector<float>(kGroup * most), std::vector<float>(in.dim)); };
     hf_bpd::each_head_group(in, kGroup, buffers,
