@@ -150,8 +150,10 @@ def test_a_failed_build_is_reported_once_and_not_started_again(cache, caplog):
     assert directory not in background._WORKERS
 
 
-def test_the_worker_refuses_weights_that_are_not_the_keys(cache):
-    """A worker builds only for the base the caller has: another base's weights under its key fail, recorded."""
+def test_the_worker_refuses_weights_that_are_not_the_keys(cache, monkeypatch):
+    """A worker builds only for the base the caller has: another base's weights under its key fail, recorded. (Run
+    in this process, the worker's switch to idle CPU priority is skipped: it would hold for every later test here.)"""
+    monkeypatch.setattr(build_worker, "idle_priority", lambda: None)
     base = tiny_base(seed=7)
     key = artifacts.cached_key(base)
     directory = artifacts.key_dir(key)

@@ -41,6 +41,11 @@ def test_the_wrapper_runs_gcc_with_the_inlining_flags(fresh):
     assert "Free Software Foundation" in subprocess.run([wrapper, "--version"], capture_output=True,
                                                          text=True).stdout
     assert inlining.compiler_options() == {"cpp.cxx": (wrapper,)}
+    for source, inlined in (("k.kernel.cpp", True), ("c.main.cpp", True), ("m.wrapper.cpp", False)):
+        # `-###`: the driver prints the commands it would run (our flags included) and runs none
+        shown = subprocess.run([wrapper, "-###", "-c", str(fresh / source), "-o", str(fresh / "out.o")],
+                               capture_output=True, text=True).stderr
+        assert ("max-inline-insns-single=2000" in shown) == inlined, (source, shown[-500:])
     os.remove(wrapper)  # a cleaned cache: written again, not a failing compile
     assert inlining.compiler_options() == {"cpp.cxx": (wrapper,)} and os.path.isfile(wrapper)
 

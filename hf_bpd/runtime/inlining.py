@@ -61,12 +61,16 @@ INLINE_FLAGS = ("--param", "max-inline-insns-single=2000", "--param", "large-sta
                 "-fno-semantic-interposition", "--param", "max-completely-peeled-insns=4000",
                 "--param", "max-completely-peel-times=64")
 WRAPPER_NAME = "hf_bpd-g++"  # inductor recognises GCC by "g++" in the compiler's name
+# An AOTInductor package's wrapper source (the runner that calls the kernels; the GEMM micro-kernels are in the kernel
+# sources) compiles without `INLINE_FLAGS`: there the raised limits only lengthen the compile.
+WRAPPER_SOURCE = ".wrapper.cpp"
 
 
 def inlining_compiler() -> str | None:
-    """The path of the wrapper around inductor's GCC that adds `INLINE_FLAGS` in the cache now in use, or None where it
-    does not apply. A process whose `$HF_BPD_CACHE` changes gets the new cache's wrapper: native code runs only from
-    the cache in use, and the path is part of inductor's cache keys (an old path misses every compile cached since)."""
+    """The path of the wrapper around inductor's GCC that adds `INLINE_FLAGS` (to kernel sources) in the cache now in
+    use, or None where it does not apply. A process whose `$HF_BPD_CACHE` changes gets the new cache's wrapper: native
+    code runs only from the cache in use, and the path is part of inductor's cache keys (an old path misses every
+    compile cached since)."""
     from ..hub.locate import cache_dir
 
     return wrapper_in(cache_dir())
@@ -86,7 +90,8 @@ def wrapper_in(cache: Path) -> str | None:
         folder = cache / "toolchain"
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = trusted(folder) / WRAPPER_NAME
-        script = f"#!/bin/sh\nexec {shlex.quote(compiler)} \"$@\" {' '.join(INLINE_FLAGS)}\n"
+        script = (f"#!/bin/sh\ncase \" $* \" in *\"{WRAPPER_SOURCE} \"*) exec {shlex.quote(compiler)} \"$@\" ;; esac\n"
+                  f"exec {shlex.quote(compiler)} \"$@\" {' '.join(INLINE_FLAGS)}\n")
         if not path.is_file() or path.read_text() != script:
             partial = path.with_name(f"{WRAPPER_NAME}.{os.getpid()}.partial")
             partial.write_text(script)
