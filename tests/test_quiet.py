@@ -25,19 +25,19 @@ SCRIPT = textwrap.dedent("""
         ids = torch.randint(3, width, (1, 5), generator=torch.Generator().manual_seed(0))
         out = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, compile=True)
         assert torch.equal(out, base.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None))
-    run(64)  # drafted decoding: the steps of every block length compiled
+    run(64)  # drafted decoding, compiled
     from torch._dynamo.utils import counters
     assert counters["inductor"]["select_algorithm_autotune"] > 0  # it autotuned GEMMs: the quiet was not for nothing
     sys.stderr.write("=== debug\\n")
     sys.stderr.flush()
     os.environ["HF_BPD_DEBUG"] = "1"
-    # hf_bpd's compiles are quieted by `quiet_compilation()`; with HF_BPD_DEBUG=1 it lets the tables through (another
-    # GEMM shape, autotuned afresh)
+    # hf_bpd's compiles are quieted by `quiet_compilation()`; with HF_BPD_DEBUG=1 it lets the tables through (one
+    # linear layer of another GEMM shape, autotuned afresh with the compiled steps' options)
     import torch._inductor.config as inductor_config
+    from hf_bpd.runtime.inlining import INDUCTOR_OPTIONS
     from hf_bpd.runtime.quiet import quiet_compilation
     linear = torch.nn.Linear(96, 80).eval()
-    with torch.no_grad(), quiet_compilation(), inductor_config.patch(freezing=True, max_autotune=True,
-                                                                      max_autotune_gemm_backends="CPP,ATEN"):
+    with torch.no_grad(), quiet_compilation(), inductor_config.patch({**INDUCTOR_OPTIONS, "max_autotune": True}):
         torch.compile(linear)(torch.randn(3, 96))
 """)
 
