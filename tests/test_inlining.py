@@ -3,6 +3,7 @@ GEMM micro-kernels of 5..8 rows keep their accumulators in registers. Same resul
 
 import contextlib
 import os
+import shlex
 import subprocess
 import sys
 
@@ -70,6 +71,51 @@ def test_no_gcc_or_no_cache_keeps_the_default_compiler(fresh, monkeypatch):
     blocked.write_text("")
     monkeypatch.setenv("HF_BPD_CACHE", str(blocked))  # the toolchain folder cannot be created
     assert inlining.inlining_compiler() is None and inlining.compiler_options() == {}
+
+
+KERNEL = """
+#include <torch/csrc/inductor/cpp_prefix.h>
+extern "C" void kernel(const float* in_ptr0, float* out_ptr0) {
+    for (int i = 0; i < 64; i += 8) (at::vec::Vectorized<float>::loadu(in_ptr0 + i).exp()).store(out_ptr0 + i);
+}
+#include <torch/csrc/inductor/cpp_prefix.h>
+"""
+
+
+def text_section(library) -> bytes:
+    """The machine code of a built library (its `.text`), without the debug records that name its folder."""
+    out = library.with_suffix(".text")
+    subprocess.run(["objcopy", "-O", "binary", "--only-section=.text", str(library), str(out)], check=True)
+    return out.read_bytes()
+
+
+@pytest.mark.skipif(not gcc_here(), reason="inductor's compiler here is not GCC")
+def test_kernels_compile_from_a_precompiled_header_to_the_same_code(fresh):
+    """inductor's own kernel command through the wrapper: the first compile with a flag set marks it, the second
+    precompiles torch's inductor header and uses it (`-H` shows `!`), and every build's machine code equals plain
+    GCC's; the header's second `#include` (kernel files include it once per kernel) still compiles."""
+    from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    wrapper = inlining.inlining_compiler()
+    options = CppTorchDeviceOptions(vec_isa=pick_vec_isa(), device_type="cpu")
+    codes, shown = [], []
+    for i, compiler in enumerate(["g++", wrapper, wrapper, wrapper]):
+        folder = fresh / f"build{i}"
+        folder.mkdir()
+        source = folder / "k.main.cpp"
+        source.write_text(KERNEL)
+        command = CppBuilder(name="k", sources=str(source), BuildOption=options, output_dir=str(folder))
+        args = shlex.split(command.get_command_line())[1:]
+        if compiler == "g++":  # plain GCC with the flags the wrapper adds, to compare like with like
+            args += list(inlining.INLINE_FLAGS)
+        done = subprocess.run([compiler, *args, "-H"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        codes.append(text_section(folder / "k.so"))
+        shown.append(".gch" in done.stderr.split("\n", 1)[0])
+    headers = list((fresh / "cache" / "toolchain" / inlining.PCH_FOLDER).rglob("cpp_prefix.h.gch"))
+    assert len(headers) == 1 and shown == [False, False, True, True], shown
+    assert codes[0] == codes[1] == codes[2] == codes[3]
 
 
 class _Stack(torch.nn.Module):

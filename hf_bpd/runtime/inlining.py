@@ -10,10 +10,11 @@ That, not the arithmetic, would make a 5-token block cost far more than a 4-toke
 count keeps its accumulators in registers, so a GEMM of 5 to 8 rows costs little more than one of 4, with
 bit-identical results (docs/performance.md, "Why the compiled step is fast").
 
-inductor has no option for extra compiler flags, so this writes a two-line wrapper script around the compiler it
-would use (`$HF_BPD_CACHE/toolchain/hf_bpd-g++`) and passes it as inductor's `cpp.cxx` inside the compiled step's
-config patch only (the user's own `torch.compile` calls are untouched). Anything unusual (not GCC, no writable cache,
-the wrapper failing to run) leaves the compiler as it is.
+inductor has no option for extra compiler flags, so this writes a wrapper program around the compiler it would use
+(`$HF_BPD_CACHE/toolchain/hf_bpd-g++`, `compiler_wrapper.py`'s body; it also serves torch's inductor header
+precompiled) and passes it as inductor's `cpp.cxx` inside the compiled step's config patch only (the user's own
+`torch.compile` calls are untouched). Anything unusual (not GCC, no writable cache, the wrapper failing to run)
+leaves the compiler as it is.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shlex
+import shutil
 import stat
 import subprocess
 from pathlib import Path
@@ -76,9 +77,38 @@ def inlining_compiler() -> str | None:
     return wrapper_in(cache_dir())
 
 
+PCH_FOLDER = "pch"  # under the toolchain folder: one folder per compiler, torch and CPU (`toolchain_identity`)
+
+
+def toolchain_identity(compiler: str) -> str:
+    """What a precompiled header depends on besides its compile flags: the compiler, torch's headers (its version and
+    install) and the CPU (`-march=native`)."""
+    import hashlib
+
+    import torch
+
+    from .int8_heads import cpu_features
+
+    version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True, timeout=30).stdout
+    parts = (version, torch.__version__, os.path.dirname(torch.__file__), cpu_features())
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def wrapper_script(compiler: str, pch_root: Path) -> str:
+    """The wrapper program: `compiler_wrapper.py`'s body run by this Python (isolated, no site packages)."""
+    import sys
+
+    body = (Path(__file__).parent / "compiler_wrapper.py").read_text()
+    body = body[: body.index('if __name__ == "__main__":')]
+    call = (f"sys.exit(main(sys.argv[1:], {compiler!r}, {list(INLINE_FLAGS)!r}, {WRAPPER_SOURCE!r}, "
+            f"{str(pch_root)!r}))\n")
+    return f"#!{sys.executable} -IS\n{body}{call}"
+
+
 @functools.cache
 def wrapper_in(cache: Path) -> str | None:
-    """`inlining_compiler` for the cache folder `cache`, written once per process and folder."""
+    """`inlining_compiler` for the cache folder `cache`, written once per process and folder. Precompiled headers of
+    another compiler, torch or CPU are removed when the wrapper is rewritten for this one (bounded disk)."""
     try:
         from torch._inductor import cpp_builder
 
@@ -90,13 +120,16 @@ def wrapper_in(cache: Path) -> str | None:
         folder = cache / "toolchain"
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = trusted(folder) / WRAPPER_NAME
-        script = (f"#!/bin/sh\ncase \" $* \" in *\"{WRAPPER_SOURCE} \"*) exec {shlex.quote(compiler)} \"$@\" ;; esac\n"
-                  f"exec {shlex.quote(compiler)} \"$@\" {' '.join(INLINE_FLAGS)}\n")
+        pch_root = folder / PCH_FOLDER / toolchain_identity(compiler)
+        script = wrapper_script(compiler, pch_root)
         if not path.is_file() or path.read_text() != script:
             partial = path.with_name(f"{WRAPPER_NAME}.{os.getpid()}.partial")
             partial.write_text(script)
             partial.chmod(partial.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
             os.replace(partial, path)
+            for other in (folder / PCH_FOLDER).glob("*"):
+                if other != pch_root:
+                    shutil.rmtree(other, ignore_errors=True)
         trusted(path)  # run only a script of this user's own
         subprocess.run([str(path), "--version"], check=True, capture_output=True, timeout=30)
         return str(path)
