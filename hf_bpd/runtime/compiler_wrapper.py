@@ -9,8 +9,9 @@ For each compile inductor runs, the wrapper:
   compile (a kernel 4.0 -> 1.1 s, a runner 11.1 -> 7.8 s; the objects are byte-identical). A header is precompiled
   with exactly the compile's own flags (less its files and link options), once per distinct flag set, on the second
   compile that would use it (a cache that compiles once does not pay the ~9 s), and kept under the toolchain folder
-  for this compiler and torch (`PCH_ROOT`). GCC checks every precompiled header against the compile and silently
-  parses the real header when it does not match, so a stale or foreign file costs time, never a different result.
+  for this compiler, torch and CPU (`main`'s `pch_root`). GCC checks every precompiled header against the compile
+  and silently parses the real header when it does not match, so a stale or foreign file costs time, never a
+  different result.
 """
 
 import hashlib
@@ -47,9 +48,10 @@ def header_flags(args: list[str]) -> list[str]:
             skip = False
         elif arg == "-o":
             skip = True
-        elif arg in ("-c", "-shared") or arg.startswith(("-l", "-L", "-Wl,")) or arg.endswith(
-                SOURCE_SUFFIXES + OTHER_INPUTS) and not arg.startswith("-"):
-            continue
+        elif arg in ("-c", "-shared") or arg.startswith(("-l", "-L", "-Wl,")):
+            continue  # link options
+        elif not arg.startswith("-") and arg.endswith(SOURCE_SUFFIXES + OTHER_INPUTS):
+            continue  # an input file
         else:
             flags.append(arg)
     return flags
@@ -78,16 +80,14 @@ def precompiled_include(compiler: str, args: list[str], pch_root: str) -> list[s
     flags = header_flags(args)
     key = hashlib.sha256("\0".join([header, *flags]).encode()).hexdigest()[:24]
     folder = os.path.join(pch_root, key)
-    pch = os.path.join(folder, header + ".gch")
-    if os.path.isfile(pch) and os.path.islink(pch[: -len(".gch")]):
+    beside = os.path.join(folder, header)  # the real header's link, beside its precompiled form
+    pch = beside + ".gch"
+    if os.path.isfile(pch) and os.path.islink(beside):
         return ["-I", folder]
     seen = os.path.join(folder, "seen")
     if not os.path.exists(seen):  # the first compile with these flags: mark them, compile as usual
-        try:
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-            open(seen, "w").close()
-        except OSError:
-            pass
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        open(seen, "w").close()
         return []
     found = next((os.path.join(d, header) for d in include_folders(flags) if os.path.isfile(os.path.join(d, header))),
                  None)
@@ -103,13 +103,11 @@ def precompiled_include(compiler: str, args: list[str], pch_root: str) -> list[s
             return []
         # GCC records the header as found beside its precompiled form: a later `#include` of it (kernel files
         # include it once per kernel, under `#pragma once`) must find the same file there
-        link = f"{pch[: -len('.gch')]}.{os.getpid()}.partial"
+        link = f"{beside}.{os.getpid()}.partial"
         os.symlink(found, link)
-        os.replace(link, pch[: -len(".gch")])
+        os.replace(link, beside)
         os.replace(partial, pch)
         return ["-I", folder]
-    except (OSError, subprocess.SubprocessError):
-        return []
     finally:
         if os.path.exists(partial):
             os.remove(partial)
@@ -122,7 +120,7 @@ def main(argv: list[str], compiler: str, inline_flags: list[str], runner_source:
         args += inline_flags
     try:
         args = precompiled_include(compiler, args, pch_root) + args
-    except Exception:  # noqa: BLE001 - a compile without the precompiled header is only slower
+    except Exception:  # noqa: BLE001 - anything failing (a folder, the header's build): compile without it, slower
         pass
     os.execvp(compiler, [compiler, *args])
 
