@@ -4,8 +4,10 @@
         --questions benchmarks/dev_prompts.jsonl --max-new-tokens 256 \
         --references benchmarks/results/dev_references_256.jsonl --output benchmarks/results/draft_quality.json
 
-The base's greedy continuation of every prompt (eager `generate()`, the chat template) is computed once and kept in
-`--references` (token ids; reused by later runs with the same prompts and length). Every checkpoint is then analysed
+The base's greedy continuation of every prompt (the chat template; eager `generate()` for an fp32 base, compiled
+plain decoding for a half-precision one: what each decoding is exact against) is computed once and kept in
+`--references` (token ids; reused by later runs with the same prompts and length). `--questions` takes several files
+and `--skip N` leaves out each one's first N prompts (a benchmark's `--limit N`), so choices are tuned on the rest. Every checkpoint is then analysed
 teacher-forced along those references (`hf_bpd.evaluation.analysis.analyze_prompt`): one base forward per prompt,
 the heads on every position. Greedy decoding is exact, so the accepted lengths are the ones `generate()` would see:
 vanilla BPD (the heads' argmax; sequential heads read the reference's tokens, which is what they read whenever their
@@ -34,8 +36,9 @@ from hf_bpd.evaluation import analysis
 from hf_bpd.evaluation.bench import encode_messages, load_questions
 
 
-def references(base, tokenizer, questions, max_new_tokens: int, path: Path | None) -> dict[str, list[int]]:
-    """`{prompt id: prompt + greedy continuation token ids}`, read from / added to `path` (JSONL)."""
+def references(model, tokenizer, questions, max_new_tokens: int, path: Path | None) -> dict[str, list[int]]:
+    """`{prompt id: prompt + greedy continuation token ids}`, read from / added to `path` (JSONL): `model`'s base
+    decoding plainly as `generate()` is exact against (eager for fp32, the compiled plain steps for half precision)."""
     stored = {}
     if path is not None and path.exists():
         for line in path.read_text().splitlines():
@@ -48,7 +51,11 @@ def references(base, tokenizer, questions, max_new_tokens: int, path: Path | Non
             continue
         inputs = encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], None)
         with torch.no_grad():
-            out = base.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+            if model.base_lm.dtype in (torch.float32, torch.float64):
+                out = model.base_lm.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+            else:
+                out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, use_heads=False,
+                                     compile=True)  # `ar-compiled` in `hf-bpd bench`
         stored[key] = out[0].tolist()
         if path is not None:
             with path.open("a") as f:
@@ -139,7 +146,8 @@ def union_rows(model, drafters, along, budgets, depths, top_ks) -> list[dict]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoints", nargs="+", required=True, help="heads checkpoint directories (same base)")
-    p.add_argument("--questions", default="benchmarks/dev_prompts.jsonl")
+    p.add_argument("--questions", nargs="+", default=["benchmarks/dev_prompts.jsonl"])
+    p.add_argument("--skip", type=int, default=0, help="leave out each --questions file's first N prompts")
     p.add_argument("--exclude", default=None, help="a prompt file whose prompts (by id) are skipped")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--stride", type=int, default=1, help="every N-th question (a spread subset)")
@@ -166,10 +174,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     skip = {q["id"] for q in load_questions(args.exclude)} if args.exclude else set()
-    questions = [q for q in load_questions(args.questions) if q["id"] not in skip][:: args.stride][: args.limit]
+    questions = [q for f in args.questions for q in load_questions(f)[args.skip:] if q["id"] not in skip]
+    questions = questions[:: args.stride][: args.limit]
     first = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.checkpoints[0])
     base, tokenizer = first.base_lm, hf_bpd.load_tokenizer(args.checkpoints[0])
-    refs = references(base, tokenizer, questions, args.max_new_tokens,
+    refs = references(first, tokenizer, questions, args.max_new_tokens,
                       Path(args.references) if args.references else None)
     rescorer = None
     if args.rescorer_from:

@@ -377,18 +377,20 @@ def test_train_hydra_heads_with_soft_targets(tmp_path, tiny_chat_base, tiny_data
     ids = torch.tensor([[5, 9, 13, 7]])
     kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
     assert torch.equal(model.generate(ids, **kwargs), model.base_lm.generate(ids, **kwargs))
-    # benchmarks/draft_quality.py (smoke): references computed once and reused, every head count analysed
-    questions = tmp_path / "q.jsonl"
-    questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"Count {i}"]}) + "\n"
-                                 for i, c in [(3, "a"), (4, "b")]))
+    # benchmarks/draft_quality.py (smoke): references computed once and reused, every head count analysed; two
+    # prompt files, each without its first prompt (--skip 1)
+    questions = [tmp_path / "q1.jsonl", tmp_path / "q2.jsonl"]
+    for path, rows in zip(questions, ([(2, "a"), (3, "a")], [(5, "b"), (4, "b")])):
+        path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"Count {i}"]}) + "\n"
+                                for i, c in rows))
     refs, report = tmp_path / "refs.jsonl", tmp_path / "dq.json"
     for _ in range(2):
         result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "draft_quality.py"), "--checkpoints",
-                                 str(out), "--questions", str(questions), "--max-new-tokens", "10", "--references",
-                                 str(refs), "--rescorer-from", "", "--num-heads", "1,2", "--threads", "1",
-                                 "--output", str(report)], capture_output=True, text=True, timeout=300)
+                                 str(out), "--questions", *map(str, questions), "--skip", "1", "--max-new-tokens",
+                                 "10", "--references", str(refs), "--rescorer-from", "", "--num-heads", "1,2",
+                                 "--threads", "1", "--output", str(report)], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-2000:]
-    assert len(refs.read_text().splitlines()) == 2  # the second run reused them
+    assert sorted(json.loads(line)["id"] for line in refs.read_text().splitlines()) == ["3", "4"]  # reused once made
     rows = json.loads(report.read_text())["results"]
     assert [r["num_heads"] for r in rows] == [1, 2] and rows[0]["head_type"] == "hydra"
     assert all(1.0 <= r["summary"]["all"]["vanilla"]["block_efficiency"] <= 1 + r["num_heads"] for r in rows)
