@@ -7,13 +7,14 @@
 The base's greedy continuation of every prompt (the chat template; eager `generate()` for an fp32 base, compiled
 plain decoding for a half-precision one: what each decoding is exact against) is computed once and kept in
 `--references` (token ids; reused by later runs with the same prompts and length). `--questions` takes several files
-and `--skip N` leaves out each one's first N prompts (a benchmark's `--limit N`), so choices are tuned on the rest. Every checkpoint is then analysed
-teacher-forced along those references (`hf_bpd.evaluation.analysis.analyze_prompt`): one base forward per prompt,
-the heads on every position. Greedy decoding is exact, so the accepted lengths are the ones `generate()` would see:
-vanilla BPD (the heads' argmax; sequential heads read the reference's tokens, which is what they read whenever their
-draft can count), the n-gram rescorer's drafts (`--rescorer-from`: a checkpoint whose bundled 4-gram and alpha are
-used for every checkpoint, so heads are compared under the same rescorer), and the oracle over the top-k lattice.
-Timing-free: the figures do not depend on the machine's load.
+and `--skip N` leaves out each one's first N prompts (a benchmark's `--limit N`), so choices are tuned on the rest.
+Every checkpoint is then analysed teacher-forced along those references
+(`hf_bpd.evaluation.analysis.analyze_prompt`): one base forward per prompt, the heads on every position. Greedy
+decoding is exact, so the accepted lengths are the ones `generate()` would see: vanilla BPD (the heads' argmax;
+sequential heads read the reference's tokens, which is what they read whenever their draft can count), the n-gram
+rescorer's drafts (`--rescorer-from`: a checkpoint whose bundled 4-gram and alpha are used for every checkpoint, so
+heads are compared under the same rescorer), and the oracle over the top-k lattice. Timing-free: the figures do not
+depend on the machine's load.
 
 `--drafters` adds feature-level drafters (`training/train_drafter.py`) for the first checkpoint's base: the block
 efficiency of their chain drafts at each `--depths` (`hf_bpd.evaluation.drafter_quality`), along the same references.
@@ -173,8 +174,8 @@ def main(argv=None):
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    skip = {q["id"] for q in load_questions(args.exclude)} if args.exclude else set()
-    questions = [q for f in args.questions for q in load_questions(f)[args.skip:] if q["id"] not in skip]
+    excluded = {q["id"] for q in load_questions(args.exclude)} if args.exclude else set()
+    questions = [q for f in args.questions for q in load_questions(f)[args.skip:] if q["id"] not in excluded]
     questions = questions[:: args.stride][: args.limit]
     first = hf_bpd.BlockwiseParallelForCausalLM.from_pretrained(args.checkpoints[0])
     base, tokenizer = first.base_lm, hf_bpd.load_tokenizer(args.checkpoints[0])
