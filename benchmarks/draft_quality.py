@@ -35,11 +35,14 @@ import torch
 import hf_bpd
 from hf_bpd.evaluation import analysis
 from hf_bpd.evaluation.bench import encode_messages, load_questions
+from hf_bpd.evaluation.decoders import REFERENCE, default_decoders
 
 
 def references(model, tokenizer, questions, max_new_tokens: int, path: Path | None) -> dict[str, list[int]]:
     """`{prompt id: prompt + greedy continuation token ids}`, read from / added to `path` (JSONL): `model`'s base
     decoding plainly as `generate()` is exact against (eager for fp32, the compiled plain steps for half precision)."""
+    # the method `hf-bpd bench` checks exactness against for this dtype
+    decode = default_decoders()["ar-compiled" if model.dtype in (torch.bfloat16, torch.float16) else REFERENCE]
     stored = {}
     if path is not None and path.exists():
         for line in path.read_text().splitlines():
@@ -52,11 +55,7 @@ def references(model, tokenizer, questions, max_new_tokens: int, path: Path | No
             continue
         inputs = encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}], None)
         with torch.no_grad():
-            if model.base_lm.dtype in (torch.float32, torch.float64):
-                out = model.base_lm.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-            else:
-                out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, use_heads=False,
-                                     compile=True)  # `ar-compiled` in `hf-bpd bench`
+            out, _ = decode(model, inputs, max_new_tokens)
         stored[key] = out[0].tolist()
         if path is not None:
             with path.open("a") as f:
