@@ -6,8 +6,8 @@
 
 Each process loads the checkpoint in the dtype it records, reads its resident memory, resets the kernel's peak
 (`/proc/self/clear_refs`), decodes the prompts (compilation included: it is part of what a call holds) and reads the
-peak since the reset (`VmHWM`). `loaded_mb`: resident after loading; `peak_mb`: the peak while decoding, the number
-to compare (loading peaks alike for every method, while the base is converted to its dtype).
+peak since the reset (`VmHWM`). `loaded_mb`: resident after loading; `load_peak_mb`: the peak while loading;
+`peak_mb`: the peak while decoding, the number to compare.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def measure(model_path: str, questions: str, limit: int, max_new_tokens: int, th
     tokenizer = load_tokenizer(model_path)
     prompts = [encode_messages(tokenizer, [{"role": "user", "content": q["turns"][0]}])
                for q in load_questions(questions)[:limit]]
-    loaded = _status_mb("VmRSS")
+    loaded, load_peak = _status_mb("VmRSS"), _status_mb("VmHWM")
     Path("/proc/self/clear_refs").write_text("5")  # the peak resident size starts again from the current one
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False)
     new_tokens = 0
@@ -60,7 +60,7 @@ def measure(model_path: str, questions: str, limit: int, max_new_tokens: int, th
             out = model.generate(**inputs, compile="wait", **settings)
         new_tokens += out.shape[1] - inputs["input_ids"].shape[1]
     return {"method": method, "dtype": str(model.base_lm.dtype).removeprefix("torch."), "quantize": quantize,
-            "loaded_mb": loaded, "peak_mb": _status_mb("VmHWM"), "new_tokens": int(new_tokens)}
+            "loaded_mb": loaded, "load_peak_mb": load_peak, "peak_mb": _status_mb("VmHWM"), "new_tokens": int(new_tokens)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             return done.returncode
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     peaks = {r["method"]: r["peak_mb"] for r in rows}
-    result = {"peak_mb": peaks, "loaded_mb": {r["method"]: r["loaded_mb"] for r in rows}, "rows": rows,
+    result = {"peak_mb": peaks, "loaded_mb": {r["method"]: r["loaded_mb"] for r in rows},
+              "load_peak_mb": {r["method"]: r["load_peak_mb"] for r in rows}, "rows": rows,
               "machine": machine_info()}
     for plain, name in (("eager", "default_vs_eager_peak"), ("ar-compiled", "default_vs_compiled_plain_peak")):
         if "default" in peaks and plain in peaks:

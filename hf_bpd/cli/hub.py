@@ -54,6 +54,7 @@ def cmd_install_base(args) -> int:
     model = base_models.PACKAGED_MODELS[args.alias]
     print(f"hf-bpd: checking {model.gguf()}", file=sys.stderr)  # joined and hash-checked (again) here
     path = base_models.resolve_base_path(args.alias)  # converted once into the cache
+    base_models.resolve_base_path(args.alias, dtype="bfloat16")  # and its bf16 copy, what bf16 loads map
     print(f"{args.alias} ready in {path} ({time.perf_counter() - start:.0f} s): hf_bpd.load_base({args.alias!r})")
     return 0
 

@@ -127,15 +127,38 @@ def _convert_unlocked(model: PackagedModel, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def resolve_base_path(name_or_path: str, what: str = "base model") -> str:
-    """Local directory or Hub id for `name_or_path`; packaged aliases are converted into the cache first. Names that
-    cannot work (no such directory, a misspelt alias, a Hub id that is neither cached nor reachable, or not cached
-    under `HF_HUB_OFFLINE`) raise a one-line `BaseModelError` before any Hub call (`hub.locate`)."""
+def _bf16_copy(source: Path) -> Path:
+    """`source`'s weights in bf16, saved once inside it (`source/bf16`, removed with it), under a lock: loading a
+    bf16 file maps it into memory, where converting the fp32 file fills memory with the converted weights, so a bf16
+    base's weights stay on disk until read (`hf_bpd.runtime.page_cache`) and load in seconds."""
+    from ..runtime.cache_files import open_lock, wait_for_lock
+
+    target = source / "bf16"
+    with open_lock(source, ".bf16.lock") as lock:
+        wait_for_lock(lock, source)
+        if not (target / "config.json").exists():
+            tmp = Path(tempfile.mkdtemp(dir=source, prefix="bf16.partial-"))
+            try:
+                AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).save_pretrained(tmp)
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(tmp, target)  # config.json inside marks it complete
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_base_path(name_or_path: str, what: str = "base model", dtype: torch.dtype | str | None = None) -> str:
+    """Local directory or Hub id for `name_or_path`; packaged aliases are converted into the cache first (fp32, and
+    with `dtype` bf16 also its bf16 copy, whose directory this returns). Names that cannot work (no such directory,
+    a misspelt alias, a Hub id that is neither cached nor reachable, or not cached under `HF_HUB_OFFLINE`) raise a
+    one-line `BaseModelError` before any Hub call (`hub.locate`)."""
     kind, where = ("alias", name_or_path) if name_or_path in PACKAGED_MODELS else locate(name_or_path, what)
     if kind == "alias":
         target = cache_dir() / "models" / name_or_path
         if not (target / "config.json").exists():
             _convert_packaged(PACKAGED_MODELS[name_or_path], target)
+        if dtype in (torch.bfloat16, "bfloat16", "bf16"):
+            return str(_bf16_copy(target))
         return str(target)
     return where
 
@@ -145,7 +168,7 @@ def load_base_model(name_or_path: str, dtype: torch.dtype | str = torch.float32,
     (a bf16 `dtype`): hf_bpd's int8 weights (`hf_bpd.runtime.int8_weights`); other configs go to transformers."""
     from ..runtime.int8_weights import quantize_int8_weights, split_int8_weights
 
-    path = resolve_base_path(str(name_or_path))
+    path = resolve_base_path(str(name_or_path), dtype=dtype)
     int8_weights, quantization_config = split_int8_weights(kwargs.pop("quantization_config", None))
     if quantization_config is not None:  # transformers' own quantizers load the base themselves
         kwargs["quantization_config"] = quantization_config

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import BPDConfigError
+from . import page_cache
 
 INT8_ACTIVATION_DTYPE = torch.bfloat16  # inductor's weight-only int8 templates take bf16 activations
 DEQUANTIZE_ROWS = 4096  # rows dequantized at a time (`Int8WeightLinear.dequantized_weight`)
@@ -99,8 +100,10 @@ def quantize_int8_weights(base, config: Int8WeightsConfig | None = None) -> int:
         owner_name = next(name for name, module in base.named_modules() if module is output)
         parent_name, _, leaf = owner_name.rpartition(".")
         swaps.append((base.get_submodule(parent_name) if parent_name else base, leaf, output))
+    mapped = page_cache.file_mappings()
     for module, name, child in swaps:
         setattr(module, name, Int8WeightLinear.from_linear(child))
+        page_cache.release([child.weight.detach()], mapped)  # read for the last time: a mapped weight's pages go back
     if config.output_layer and getattr(base.config.get_text_config(), "tie_word_embeddings", False):
         base.config.get_text_config().tie_word_embeddings = False  # the output layer has its own (int8) weight now
     base.int8_weights = config

@@ -17,7 +17,8 @@ too, its own last bits), where bf16 weights halve what an fp32 step reads.
 base's modules sharing every parameter, buffer and config with it, whose linear layers are `PackedLinear`s holding the
 weights packed for the kernel (one extra copy of the linear weights per base, shared by all its compiled shapes), and
 whose rotary embeddings are read from a table (`hf_bpd.runtime.rotary_table`). The base itself is not changed: its own
-`generate()` runs as loaded.
+`generate()` runs as loaded. A weight memory-mapped from a file hands its pages back once packed
+(`hf_bpd.runtime.page_cache`), so the packed copy is the one resident while the compiled steps decode.
 
 The kernel is built on first use (`hf_bpd.runtime.kernels`); `HF_BPD_OFF=kernels` keeps inductor's GEMMs instead.
 """
@@ -31,7 +32,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import weights
+from . import page_cache, weights
 from .int8_weights import Int8WeightLinear
 from .kernels import LANES, kernels_unsupported_reason
 from .rotary_table import table_rotary_embeddings
@@ -58,9 +59,10 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     @classmethod
-    def of(cls, layer: nn.Module) -> PackedLinear | None:
+    def of(cls, layer: nn.Module, mapped: list[tuple[int, int]] | None = None) -> PackedLinear | None:
         """The packed twin of `layer` (an `nn.Linear` with bf16 weights or an `Int8WeightLinear`), or None when its
-        shape does not pack (output features not a multiple of 16, odd input features)."""
+        shape does not pack (output features not a multiple of 16, odd input features). `mapped`: the process's
+        file mappings (`page_cache.file_mappings()`), where a weight's pages go back once packed."""
         if isinstance(layer, Int8WeightLinear):  # (bf16 scales and biases are exact in fp32, which the kernel reads)
             weight, scale = layer.weight, layer.weight_scale.detach().to(torch.bfloat16).float()
         elif type(layer) is nn.Linear and layer.weight.dtype == torch.bfloat16:
@@ -71,7 +73,9 @@ class PackedLinear(nn.Module):
         if n % LANES or k % 2 or weight.device.type != "cpu":
             return None
         bias = None if layer.bias is None else layer.bias.detach().to(torch.bfloat16).float()
-        return cls(pack(weight), scale, bias)
+        packed = pack(weight)
+        page_cache.release([weight.detach()], mapped)  # a mapped weight's pages go back: decoding reads `packed`
+        return cls(packed, scale, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.hf_bpd_kernels.packed_linear(x, self.packed, self.scale, self.bias)
@@ -103,9 +107,9 @@ def packed_base(base) -> nn.Module | None:
             if config is not None:
                 memo[id(config)] = config
         clone = copy.deepcopy(base, memo)
-        replaced = 0
+        replaced, mapped = 0, page_cache.file_mappings()
         for name, module in list(clone.named_modules()):
-            twin = PackedLinear.of(module) if name else None
+            twin = PackedLinear.of(module, mapped) if name else None
             if twin is not None:
                 clone.set_submodule(name, twin)
                 replaced += 1

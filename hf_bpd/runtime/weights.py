@@ -17,6 +17,8 @@ import weakref
 import numpy as np
 import torch
 
+from . import page_cache
+
 PROBES = 16  # values per tensor in the marker
 _KNOWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> (marker, digest or None)
 
@@ -55,12 +57,14 @@ def digest(base) -> str:
     if known is not None and known[0] == mark and known[1] is not None:
         return known[1]
     h = hashlib.sha256()
+    mapped = page_cache.file_mappings()
     with torch.no_grad():
         for name, param in base.named_parameters():
             h.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
             data = param.detach().contiguous().reshape(-1)
             if data.numel():
                 h.update(memoryview(data.cpu().view(torch.uint8).numpy()))
+                page_cache.release([param.detach()], mapped)  # read to hash only: a mapped weight's pages go back
     value = "sha256:" + h.hexdigest()
     _KNOWN[base] = (mark, value)
     return value
