@@ -69,3 +69,16 @@ def test_a_bf16_alias_loads_mapped_from_its_bf16_copy():
     weight = bf16.get_output_embeddings().weight
     ranges = page_cache.file_mappings()
     assert any(start <= weight.data_ptr() < end for start, end in ranges)  # on disk until read
+
+
+def test_a_bf16_copy_that_cannot_be_saved_falls_back_to_converting(monkeypatch):
+    from hf_bpd.hub import base_models
+
+    alias = "smollm2-135m-instruct"
+    fp32 = base_models.cache_dir() / "models" / alias
+    if not (fp32 / "config.json").exists():
+        pytest.skip(f"{alias} not converted into the cache")
+    monkeypatch.setattr(base_models, "_bf16_copy", lambda source: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.warns(UserWarning, match="could not save .*bf16 copy.*No space left"):
+        path = base_models.resolve_base_path(alias, dtype=torch.bfloat16)
+    assert Path(path) == fp32

@@ -158,7 +158,14 @@ def resolve_base_path(name_or_path: str, what: str = "base model", dtype: torch.
         if not (target / "config.json").exists():
             _convert_packaged(PACKAGED_MODELS[name_or_path], target)
         if dtype in (torch.bfloat16, "bfloat16", "bf16"):
-            return str(_bf16_copy(target))
+            try:
+                return str(_bf16_copy(target))
+            except OSError as error:  # a full disk or a read-only cache: convert in memory, as without a copy
+                import warnings
+
+                warnings.warn(f"could not save {name_or_path}'s bf16 copy in {target} ({error}): loading converts "
+                              "its fp32 copy (its bf16 weights then stay in memory; free space or make the cache "
+                              "writable to keep a copy)", stacklevel=3)
         return str(target)
     return where
 
