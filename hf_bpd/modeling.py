@@ -28,7 +28,8 @@ from .runtime.artifacts import preload as preload_artifact
 from .runtime.int8_weights import quantize_int8_weights, split_int8_weights
 from .hub.bundled import (BundledRescorers, attach_rescorer, bundle_fields, inside, load_bundled,
                           load_feature_drafter, load_heads_config, merge_base_adapter)
-from .hub.base_models import check_causal_lm, check_fingerprint, default_base_dtype, fingerprint, load_base_model
+from .hub.base_models import (check_causal_lm, check_fingerprint, default_base_dtype, fingerprint, int8_weights_file,
+                               load_base_model)
 from .hub.checkpoints import check_heads_header, load_heads_state, push_saved, resolve_checkpoint_dir, save_checkpoint
 
 logger = logging.get_logger(__name__)
@@ -107,8 +108,8 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
 
         The base is `base_model` when given (a model or a name for `load_base`), else the config's
         `base_model_name_or_path`. Its fingerprint must match the one the heads were saved with, unless
-        `ignore_fingerprint_mismatch=True`.
-        Bundled rescorers load on first use (`trust_bundled_files`: docs/reliability.md).
+        `ignore_fingerprint_mismatch=True`. Bundled rescorers load on first use (`trust_bundled_files`:
+        docs/reliability.md).
 
         `dtype` (default: the checkpoint's recorded one where hf_bpd's kernels run it, else float32:
         `default_base_dtype`; `"auto"`: the base's own), `device_map` (`"cuda"`, `"auto"`, ...),
@@ -126,16 +127,15 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
             if not config.base_model_name_or_path:
                 raise BaseModelError("the checkpoint names no base model: pass base_model=... to from_pretrained")
             base_model = config.base_model_name_or_path
-        if isinstance(base_model, (str, os.PathLike)):
-            base_model = load_base_model(str(base_model), dtype=dtype or default_base_dtype(config), **load_options)
-        else:
-            if load_options:
-                raise BaseModelError(f"{', '.join(load_options)} apply when the base is loaded by name: pass them to "
-                                     "the base's own from_pretrained, or pass base_model= as a name")
-            if dtype is not None:
-                base_model = base_model.to(dtype=dtype)
+        base_name = str(base_model) if isinstance(base_model, (str, os.PathLike)) else None
+        if base_name is not None:
+            base_model = load_base_model(base_name, dtype=dtype or default_base_dtype(config), **load_options)
+        elif load_options:
+            raise BaseModelError(f"{', '.join(load_options)} apply when the base is loaded by name: pass them to the "
+                                 "base's own from_pretrained, or pass base_model= as a name")
+        elif dtype is not None:
+            base_model = base_model.to(dtype=dtype)
         check_causal_lm(base_model)
-
         if quantization_config is None:
             check_fingerprint(base_model, config.base_model_fingerprint, directory, ignore_fingerprint_mismatch)
         else:  # quantized at load: its weights cannot match the fingerprint of the weights the heads were trained on
@@ -143,8 +143,9 @@ class BlockwiseParallelForCausalLM(PreTrainedModel, GenerationMixin):
                            f"{config.base_model_name_or_path!r} is the base the heads were trained on")
         if config.base_adapter:
             base_model = merge_base_adapter(base_model, inside(directory, config.base_adapter, "base_adapter"))
-        if int8_weights is not None:
-            quantize_int8_weights(base_model, int8_weights)
+        if int8_weights is not None:  # an alias's int8 weights come from the cache, unless an adapter changed them
+            saved = None if config.base_adapter else int8_weights_file(base_name, int8_weights)
+            quantize_int8_weights(base_model, int8_weights, saved)
         model = cls(config, base_model)
         if config.base_adapter:
             model._bundle_sources["base_adapter"] = directory / config.base_adapter

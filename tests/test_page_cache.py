@@ -1,11 +1,13 @@
 """Memory-mapped weights handed back to the page cache (`hf_bpd.runtime.page_cache`): resident pages go, values
-stay, anonymous memory is never touched; and a bf16 base of an offline alias loads from its bf16 copy, mapped."""
+stay, anonymous memory is never touched; a bf16 base of an offline alias loads from its bf16 copy, mapped, and its
+int8 weights (`Int8WeightsConfig`) are saved once beside it, then mapped."""
 
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from hf_bpd.runtime import page_cache
 
@@ -82,3 +84,39 @@ def test_a_bf16_copy_that_cannot_be_saved_falls_back_to_converting(monkeypatch):
     with pytest.warns(UserWarning, match="could not save .*bf16 copy.*No space left"):
         path = base_models.resolve_base_path(alias, dtype=torch.bfloat16)
     assert Path(path) == fp32
+
+
+def test_an_aliass_int8_weights_are_saved_once_then_mapped():
+    import hf_bpd
+    from hf_bpd.hub import base_models
+    from hf_bpd.runtime.int8_weights import Int8WeightLinear, quantize_int8_weights, saved_int8_file
+
+    alias = "smollm2-135m-instruct"
+    try:
+        base_models.PACKAGED_MODELS[alias].gguf()
+    except Exception as error:  # noqa: BLE001 - the package is an install.sh step
+        pytest.skip(f"{alias} not installed: {error}")
+    config = hf_bpd.Int8WeightsConfig()
+    saved = saved_int8_file(base_models.resolve_base_path(alias, dtype=torch.bfloat16), config)
+    saved.unlink(missing_ok=True)
+    first = hf_bpd.load_base_model(alias, dtype=torch.bfloat16, quantization_config=config)  # quantizes, saves
+    assert saved.is_file()
+    second = hf_bpd.load_base_model(alias, dtype=torch.bfloat16, quantization_config=config)  # maps the file
+    plain = hf_bpd.load_base_model(alias, dtype=torch.bfloat16)
+    quantize_int8_weights(plain, config)  # in memory, no file
+    ranges = page_cache.file_mappings()
+    layers = [(n, m) for n, m in second.named_modules() if isinstance(m, Int8WeightLinear)]
+    assert len(layers) == 30 * 7 + 1
+    for name, layer in layers:
+        for other in (first, plain):
+            twin = other.get_submodule(name)
+            assert torch.equal(layer.weight, twin.weight) and torch.equal(layer.weight_scale, twin.weight_scale), name
+        assert any(start <= layer.weight.data_ptr() < end for start, end in ranges), name  # on disk until read
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(second(ids).logits, plain(ids).logits)
+    # a file that holds other layers (another base's, a different quantizer's) is replaced, not read
+    save_file({"elsewhere.weight": torch.zeros(2, dtype=torch.int8)}, str(saved))
+    third = hf_bpd.load_base_model(alias, dtype=torch.bfloat16, quantization_config=config)
+    assert torch.equal(third.get_submodule(layers[0][0]).weight, layers[0][1].weight)
+    assert f"{layers[0][0]}.weight" in load_file(str(saved))

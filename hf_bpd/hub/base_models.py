@@ -170,6 +170,17 @@ def resolve_base_path(name_or_path: str, what: str = "base model", dtype: torch.
     return where
 
 
+def int8_weights_file(name_or_path: str | None, config) -> Path | None:
+    """Where an offline alias's int8 weights (`Int8WeightsConfig` `config`) are kept, beside its bf16 copy in the
+    cache (`hf_bpd.runtime.int8_weights.saved_int8_file`); None for other bases (their folders are not hf_bpd's) and
+    for a base passed as a model (None)."""
+    from ..runtime.int8_weights import saved_int8_file
+
+    if name_or_path not in PACKAGED_MODELS:
+        return None
+    return saved_int8_file(Path(resolve_base_path(name_or_path, dtype=torch.bfloat16)), config)
+
+
 def load_base_model(name_or_path: str, dtype: torch.dtype | str = torch.float32, **kwargs) -> PreTrainedModel:
     """Load only the causal base model (see `load_base`), in eval mode. `quantization_config=Int8WeightsConfig()`
     (a bf16 `dtype`): hf_bpd's int8 weights (`hf_bpd.runtime.int8_weights`); other configs go to transformers."""
@@ -192,7 +203,7 @@ def load_base_model(name_or_path: str, dtype: torch.dtype | str = torch.float32,
     if name_or_path in PACKAGED_MODELS:
         model.config.name_or_path = name_or_path  # saved heads then name the offline alias, not a cache path
     if int8_weights is not None:
-        quantize_int8_weights(model, int8_weights)
+        quantize_int8_weights(model, int8_weights, int8_weights_file(str(name_or_path), int8_weights))
     return model.eval()
 
 

@@ -21,10 +21,15 @@ decoding only: its quantized tensors cannot be frozen into a compiled step.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import BPDConfigError
@@ -86,9 +91,25 @@ class Int8WeightLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def quantize_int8_weights(base, config: Int8WeightsConfig | None = None) -> int:
+def saved_int8_file(directory: Path, config: Int8WeightsConfig) -> Path:
+    """Where `quantize_int8_weights` keeps the int8 weights of the bf16 base in `directory` (a cache folder hf_bpd
+    owns): named by this module's source and the config, so a changed quantizer never reads an old file."""
+    source = hashlib.sha256(Path(__file__).read_bytes() + repr(config).encode()).hexdigest()[:16]
+    return Path(directory) / f"int8-weights-{source}.safetensors"
+
+
+def _int8_layer(layer: nn.Linear, name: str, saved: dict | None) -> Int8WeightLinear:
+    if saved is None or f"{name}.weight" not in saved:
+        return Int8WeightLinear.from_linear(layer)
+    bias = saved.get(f"{name}.bias")
+    return Int8WeightLinear(saved[f"{name}.weight"], saved[f"{name}.weight_scale"], bias)
+
+
+def quantize_int8_weights(base, config: Int8WeightsConfig | None = None, saved_file: Path | None = None) -> int:
     """Replace `base`'s decoder linear layers (and its output layer) by `Int8WeightLinear`s, in place; returns how
-    many. The base must be bf16 (one-line `BPDConfigError` otherwise)."""
+    many. The base must be bf16 (one-line `BPDConfigError` otherwise). With `saved_file` (`saved_int8_file`) the int8
+    weights are read from it, mapped into memory like the base's (the bf16 weights are then never read), or written
+    to it for the next process."""
     config = config or Int8WeightsConfig()
     if base.dtype != INT8_ACTIVATION_DTYPE:
         raise BPDConfigError(f"int8 weights compute with bf16 activations, the base is {base.dtype}: load it with "
@@ -100,14 +121,42 @@ def quantize_int8_weights(base, config: Int8WeightsConfig | None = None) -> int:
         owner_name = next(name for name, module in base.named_modules() if module is output)
         parent_name, _, leaf = owner_name.rpartition(".")
         swaps.append((base.get_submodule(parent_name) if parent_name else base, leaf, output))
+    names = {id(module): name for name, module in base.named_modules()}
+    saved = None
+    if saved_file is not None and Path(saved_file).is_file():
+        saved = load_file(str(saved_file))  # mapped: pages are read as the layers compute
+        if not all(f"{names[id(child)]}.weight" in saved for _, _, child in swaps):
+            saved = None  # another base's: quantize again and replace it
     mapped = page_cache.file_mappings()
+    layers = {}
     for module, name, child in swaps:
-        setattr(module, name, Int8WeightLinear.from_linear(child))
+        layer = layers[names[id(child)]] = _int8_layer(child, names[id(child)], saved)
+        setattr(module, name, layer)
         page_cache.release([child.weight.detach()], mapped)  # read for the last time: a mapped weight's pages go back
+    if saved_file is not None and saved is None:
+        _save_int8(layers, Path(saved_file))
     if config.output_layer and getattr(base.config.get_text_config(), "tie_word_embeddings", False):
         base.config.get_text_config().tie_word_embeddings = False  # the output layer has its own (int8) weight now
     base.int8_weights = config
     return len(swaps)
+
+
+def _save_int8(layers: dict[str, Int8WeightLinear], target: Path) -> None:
+    """The int8 layers' tensors into `target`, written whole under a temporary name and renamed (a reader sees the
+    complete file or none); a failure to write (a full disk) only costs the next process the quantization."""
+    tensors = {}
+    for name, layer in layers.items():
+        tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"] = layer.weight, layer.weight_scale
+        if layer.bias is not None:
+            tensors[f"{name}.bias"] = layer.bias.detach()
+    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial))
+        os.replace(partial, target)
+    except OSError as error:
+        warnings.warn(f"could not save the int8 weights to {target} ({error}): the next load quantizes again",
+                      stacklevel=3)
+        partial.unlink(missing_ok=True)
 
 
 def split_int8_weights(quantization_config):
