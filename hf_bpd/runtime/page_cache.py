@@ -2,8 +2,8 @@
 
 transformers maps a safetensors file into memory when the file already holds the dtype asked for (a bf16 base from
 a bf16 file), so the base's weights occupy memory only while their pages are resident. A bf16 base that decodes on
-hf_bpd's kernels reads them twice, no more: to hash them (`weights.digest`) and to pack them
-(`packed_linear.packed_base`); decoding then reads the packed copy. `release` hands such pages back (Linux
+hf_bpd's kernels reads them to hash them (`weights.digest`) and to pack them (`packed_linear.packed_base`), or to
+quantize them (`int8_weights.quantize_int8_weights`), and no more: decoding then reads the packed copy. `release` hands such pages back (Linux
 `madvise(MADV_PAGEOUT)`): they stay in the file, and in the page cache while memory allows, and the base reads them
 again, unchanged, the next time it computes with them (its own eager `generate()`). So a process holds the packed
 weights once, not the packed and the base's own side by side.
