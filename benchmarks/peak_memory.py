@@ -60,7 +60,8 @@ def measure(model_path: str, questions: str, limit: int, max_new_tokens: int, th
             out = model.generate(**inputs, compile="wait", **settings)
         new_tokens += out.shape[1] - inputs["input_ids"].shape[1]
     return {"method": method, "dtype": str(model.base_lm.dtype).removeprefix("torch."), "quantize": quantize,
-            "loaded_mb": loaded, "load_peak_mb": load_peak, "peak_mb": _status_mb("VmHWM"), "new_tokens": int(new_tokens)}
+            "loaded_mb": loaded, "load_peak_mb": load_peak, "peak_mb": _status_mb("VmHWM"),
+            "new_tokens": int(new_tokens)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -134,6 +134,8 @@ def _bf16_copy(source: Path) -> Path:
     from ..runtime.cache_files import open_lock, wait_for_lock
 
     target = source / "bf16"
+    if (target / "config.json").exists():  # saved before: no lock to take
+        return target
     with open_lock(source, ".bf16.lock") as lock:
         wait_for_lock(lock, source)
         if not (target / "config.json").exists():

@@ -99,7 +99,7 @@ def saved_int8_file(directory: Path, config: Int8WeightsConfig) -> Path:
 
 
 def _int8_layer(layer: nn.Linear, name: str, saved: dict | None) -> Int8WeightLinear:
-    if saved is None or f"{name}.weight" not in saved:
+    if saved is None:
         return Int8WeightLinear.from_linear(layer)
     bias = saved.get(f"{name}.bias")
     return Int8WeightLinear(saved[f"{name}.weight"], saved[f"{name}.weight_scale"], bias)
@@ -117,11 +117,10 @@ def quantize_int8_weights(base, config: Int8WeightsConfig | None = None, saved_f
     decoder, output = base.get_decoder(), base.get_output_embeddings()
     swaps = [(module, name, child) for module in decoder.modules() for name, child in module.named_children()
              if isinstance(child, nn.Linear)]
-    if config.output_layer and isinstance(output, nn.Linear):
-        owner_name = next(name for name, module in base.named_modules() if module is output)
-        parent_name, _, leaf = owner_name.rpartition(".")
-        swaps.append((base.get_submodule(parent_name) if parent_name else base, leaf, output))
     names = {id(module): name for name, module in base.named_modules()}
+    if config.output_layer and isinstance(output, nn.Linear):
+        parent_name, _, leaf = names[id(output)].rpartition(".")
+        swaps.append((base.get_submodule(parent_name) if parent_name else base, leaf, output))
     saved = None
     if saved_file is not None and Path(saved_file).is_file():
         saved = load_file(str(saved_file))  # mapped: pages are read as the layers compute

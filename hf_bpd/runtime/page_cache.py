@@ -1,12 +1,12 @@
 """Handing a memory-mapped weight's pages back to the page cache once it has been read only to be copied or hashed.
 
-transformers maps a safetensors file into memory when the file already holds the dtype asked for (a bf16 base from
-a bf16 file), so the base's weights occupy memory only while their pages are resident. A bf16 base that decodes on
+transformers maps a safetensors file into memory when the file already holds the dtype asked for (a bf16 base from a
+bf16 file), so the base's weights occupy memory only while their pages are resident. A bf16 base that decodes on
 hf_bpd's kernels reads them to hash them (`weights.digest`) and to pack them (`packed_linear.packed_base`), or to
-quantize them (`int8_weights.quantize_int8_weights`), and no more: decoding then reads the packed copy. `release` hands such pages back (Linux
-`madvise(MADV_PAGEOUT)`): they stay in the file, and in the page cache while memory allows, and the base reads them
-again, unchanged, the next time it computes with them (its own eager `generate()`). So a process holds the packed
-weights once, not the packed and the base's own side by side.
+quantize them (`int8_weights.quantize_int8_weights`), and no more: decoding then reads the packed copy. `release`
+hands such pages back (Linux `madvise(MADV_PAGEOUT)`): they stay in the file, and in the page cache while memory
+allows, and the base reads them again, unchanged, the next time it computes with them (its own eager `generate()`).
+So a process holds the packed weights once, not the packed and the base's own side by side.
 
 Only pages of a file mapping are handed back: anonymous memory (a base converted from fp32, or a tensor made in this
 process) is left alone, since paging it out would mean swapping a live weight. Pages a write made private keep their
@@ -54,7 +54,8 @@ def file_mappings() -> list[tuple[int, int]]:
 def release(tensors: Iterable[torch.Tensor], ranges: list[tuple[int, int]] | None = None) -> int:
     """Hand back the resident pages of every CPU tensor here that lies inside a file mapping (see the module
     docstring); returns the bytes advised. Values are unchanged: the pages are read again on the next access.
-    `ranges`: `file_mappings()` read once by a caller that releases tensor after tensor (a read costs ~2 ms)."""
+    `ranges`: `file_mappings()` read once by a caller that releases tensor after tensor (each read parses
+    `/proc/self/maps`)."""
     tensors = [t for t in tensors if t is not None and t.device.type == "cpu" and t.numel() and t.is_contiguous()]
     if not sys.platform.startswith("linux") or not tensors:
         return 0
